@@ -1,0 +1,290 @@
+"""Samplers whose distribution is exposed, equal to mlx-lm's samplers.
+
+:func:`make_sampler` takes the arguments of ``mlx_lm.sample_utils.make_sampler`` and returns a
+:class:`SpecSampler`: a drop-in mlx-lm sampler (log-probabilities in, tokens out) that also gives
+the exact distribution it draws from, :meth:`SpecSampler.probs`, which rejection sampling needs.
+
+Each filter is a pure function from ``[..., V]`` log-probabilities to a ``[..., V]`` bool mask of
+the tokens it keeps. Filters run on the temperature-1 log-probabilities in mlx-lm's order (top-p,
+min-p, top-k), each on the output of the previous one with filtered tokens at ``-inf``; the
+temperature scales what is left. Every step is the same float arithmetic as mlx-lm's, so the kept
+set, including its ties, is identical. Nothing here reads values on the host: all of it is lazy.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+__all__ = ["SpecSampler", "make_sampler", "min_p_mask", "top_k_mask", "top_p_mask"]
+
+_FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def _check_logprobs(fn: str, logprobs: mx.array) -> None:
+    if (
+        not isinstance(logprobs, mx.array)
+        or logprobs.ndim < 1
+        or logprobs.shape[-1] < 1
+        or logprobs.dtype not in _FLOAT_DTYPES
+    ):
+        shape = getattr(logprobs, "shape", None)
+        dtype = getattr(logprobs, "dtype", type(logprobs).__name__)
+        raise ValueError(
+            f"{fn}: logprobs must be a [..., V] float32, float16 or bfloat16 array with V >= 1, "
+            f"got shape {shape} and dtype {dtype}"
+        )
+
+
+def _check_fraction(fn: str, name: str, value: float) -> None:
+    if not isinstance(value, numbers.Real) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{fn}: {name} must be a float in [0, 1], got {value!r}")
+
+
+def _check_count(fn: str, name: str, value: int, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"{fn}: {name} must be an integer >= {least}, got {value!r}")
+
+
+def top_p_mask(
+    logprobs: mx.array, top_p: float, *, stream: mx.Stream | mx.Device | None = None
+) -> mx.array:
+    """Tokens kept by nucleus (top-p) filtering, as mlx-lm's ``apply_top_p`` keeps them.
+
+    A token is kept when the probability mass of the tokens ranked strictly above it is below
+    ``top_p`` times the total mass, that mass being summed in float32 from the most likely token
+    down (mlx-lm's order, so its rounding too). Tokens equal to the least likely kept token are
+    kept as well. ``top_p`` of 0 or 1 turns the filter off, as in mlx-lm.
+
+    Args:
+        logprobs (array): ``[..., V]`` float32, float16 or bfloat16 log-probabilities; ``-inf``
+            marks an impossible token.
+        top_p (float): the kept mass, in ``[0, 1]``.
+        stream (Stream or Device, optional): where to run. Default: the default stream.
+
+    Returns:
+        array: ``[..., V]`` bool, True for the kept tokens.
+
+    Raises:
+        ValueError: ``logprobs`` has no last axis or a non-float dtype, or ``top_p`` is outside
+            ``[0, 1]``; the message names the argument.
+    """
+    _check_logprobs("top_p_mask", logprobs)
+    _check_fraction("top_p_mask", "top_p", top_p)
+    if top_p in (0.0, 1.0):
+        return mx.ones(logprobs.shape, dtype=mx.bool_, stream=stream)
+    # Most likely first; negation is exact in every float dtype.
+    ranked = mx.negative(mx.sort(mx.negative(logprobs, stream=stream), axis=-1, stream=stream))
+    probs = mx.exp(ranked.astype(mx.float32, stream=stream), stream=stream)
+    above = mx.cumsum(probs, axis=-1, inclusive=False, stream=stream)
+    total = above[..., -1:] + probs[..., -1:]
+    kept = mx.sum(above < top_p * total, axis=-1, keepdims=True, stream=stream)
+    # kept is 0 only for a row without mass (all -inf); it then keeps everything.
+    last = mx.maximum(kept.astype(mx.int32, stream=stream) - 1, 0, stream=stream)
+    threshold = mx.take_along_axis(ranked, last, axis=-1, stream=stream)
+    return mx.greater_equal(logprobs, threshold, stream=stream)
+
+
+def min_p_mask(
+    logprobs: mx.array,
+    min_p: float,
+    min_tokens_to_keep: int = 1,
+    *,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array:
+    """Tokens kept by min-p filtering, as mlx-lm's ``apply_min_p`` keeps them.
+
+    A token is kept when its log-probability is at least ``max + log(min_p)``, computed in the
+    dtype of ``logprobs``; the ``min_tokens_to_keep`` most likely tokens are always kept (ties
+    broken as mlx-lm breaks them, by ``mx.argpartition``). ``min_p`` of 0 keeps every token.
+
+    Args:
+        logprobs (array): ``[..., V]`` float32, float16 or bfloat16 log-probabilities.
+        min_p (float): the kept probability relative to the most likely token, in ``[0, 1]``.
+        min_tokens_to_keep (int): at least 1; values above ``V`` keep every token. Default: 1.
+        stream (Stream or Device, optional): where to run. Default: the default stream.
+
+    Returns:
+        array: ``[..., V]`` bool, True for the kept tokens.
+
+    Raises:
+        ValueError: ``logprobs`` has no last axis or a non-float dtype, ``min_p`` is outside
+            ``[0, 1]`` or ``min_tokens_to_keep`` < 1; the message names the argument.
+    """
+    _check_logprobs("min_p_mask", logprobs)
+    _check_fraction("min_p_mask", "min_p", min_p)
+    _check_count("min_p_mask", "min_tokens_to_keep", min_tokens_to_keep, 1)
+    vocab = logprobs.shape[-1]
+    if min_p == 0.0 or min_tokens_to_keep >= vocab:
+        return mx.ones(logprobs.shape, dtype=mx.bool_, stream=stream)
+    top = mx.max(logprobs, axis=-1, keepdims=True, stream=stream)
+    keep = mx.greater_equal(logprobs, top + math.log(min_p), stream=stream)
+    if min_tokens_to_keep > 1:
+        first = vocab - min_tokens_to_keep
+        best = mx.argpartition(logprobs, kth=first, axis=-1, stream=stream)[..., first:]
+        keep = mx.put_along_axis(keep, best, mx.array(True), axis=-1, stream=stream)
+    return keep
+
+
+def top_k_mask(
+    logprobs: mx.array, top_k: int, *, stream: mx.Stream | mx.Device | None = None
+) -> mx.array:
+    """Tokens kept by top-k filtering, as mlx-lm's ``apply_top_k`` keeps them.
+
+    Exactly ``top_k`` tokens are kept per row; ties at the k-th value are broken as mlx-lm breaks
+    them (by ``mx.argpartition`` on the negated log-probabilities). ``top_k`` of 0, or of at
+    least ``V``, keeps every token (mlx-lm raises for ``top_k >= V``).
+
+    Args:
+        logprobs (array): ``[..., V]`` float32, float16 or bfloat16 log-probabilities.
+        top_k (int): how many tokens to keep, >= 0.
+        stream (Stream or Device, optional): where to run. Default: the default stream.
+
+    Returns:
+        array: ``[..., V]`` bool, True for the kept tokens.
+
+    Raises:
+        ValueError: ``logprobs`` has no last axis or a non-float dtype, or ``top_k`` is not an
+            integer >= 0; the message names the argument.
+    """
+    _check_logprobs("top_k_mask", logprobs)
+    _check_count("top_k_mask", "top_k", top_k, 0)
+    keep = mx.ones(logprobs.shape, dtype=mx.bool_, stream=stream)
+    if top_k == 0 or top_k >= logprobs.shape[-1]:
+        return keep
+    order = mx.argpartition(
+        mx.negative(logprobs, stream=stream), kth=top_k - 1, axis=-1, stream=stream
+    )
+    return mx.put_along_axis(keep, order[..., top_k:], mx.array(False), axis=-1, stream=stream)
+
+
+def _check_params(
+    fn: str, temp: float, top_p: float, min_p: float, min_tokens_to_keep: int, top_k: int
+) -> None:
+    if not isinstance(temp, numbers.Real) or not 0.0 <= temp < math.inf:
+        raise ValueError(f"{fn}: temp must be a finite float >= 0, got {temp!r}")
+    _check_fraction(fn, "top_p", top_p)
+    _check_fraction(fn, "min_p", min_p)
+    _check_count(fn, "min_tokens_to_keep", min_tokens_to_keep, 1)
+    _check_count(fn, "top_k", top_k, 0)
+
+
+@dataclass(frozen=True)
+class SpecSampler:
+    """An mlx-lm sampler that also gives the distribution it draws from.
+
+    Build it with :func:`make_sampler`. Arguments have the meaning of
+    ``mlx_lm.sample_utils.make_sampler``'s; ``temp`` 0 is greedy and then ignores the filters, as
+    mlx-lm does.
+
+    Attributes:
+        temp (float): temperature, >= 0.
+        top_p (float): nucleus mass in ``[0, 1]``; 0 or 1 is off.
+        min_p (float): min-p in ``[0, 1]``; 0 is off.
+        min_tokens_to_keep (int): tokens min-p always keeps, >= 1.
+        top_k (int): tokens top-k keeps, >= 0; 0 is off.
+    """
+
+    temp: float = 0.0
+    top_p: float = 0.0
+    min_p: float = 0.0
+    min_tokens_to_keep: int = 1
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        _check_params(
+            "SpecSampler", self.temp, self.top_p, self.min_p, self.min_tokens_to_keep, self.top_k
+        )
+
+    @property
+    def greedy(self) -> bool:
+        """bool: True iff ``temp`` is 0 (the sampler takes the argmax)."""
+        return self.temp == 0
+
+    def _logits(self, logprobs: mx.array) -> mx.array:
+        """The filtered, temperature-scaled ``[..., V]`` logits (dtype of ``logprobs``)."""
+        minus_inf = mx.array(-math.inf, dtype=logprobs.dtype)
+        if 0.0 < self.top_p < 1.0:
+            logprobs = mx.where(top_p_mask(logprobs, self.top_p), logprobs, minus_inf)
+        if self.min_p != 0.0:
+            keep = min_p_mask(logprobs, self.min_p, self.min_tokens_to_keep)
+            logprobs = mx.where(keep, logprobs, minus_inf)
+        if self.top_k > 0:
+            logprobs = mx.where(top_k_mask(logprobs, self.top_k), logprobs, minus_inf)
+        # mlx-lm multiplies by the reciprocal, rounded to the logprobs dtype; so do we.
+        return logprobs * (1.0 / self.temp)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        """Draw one token per row, as mlx-lm's sampler with the same arguments does.
+
+        Randomness comes from ``mx.random``'s global state (so ``mx.random.seed`` applies).
+
+        Args:
+            logprobs (array): ``[..., V]`` float32, float16 or bfloat16 log-probabilities.
+
+        Returns:
+            array: lazy ``[...]`` uint32 token ids, drawn from :meth:`probs`.
+
+        Raises:
+            ValueError: ``logprobs`` has no last axis or a non-float dtype.
+        """
+        _check_logprobs("SpecSampler.__call__", logprobs)
+        if self.greedy:
+            return mx.argmax(logprobs, axis=-1)
+        return mx.random.categorical(self._logits(logprobs))
+
+    def probs(self, logprobs: mx.array) -> mx.array:
+        """The distribution :meth:`__call__` draws from.
+
+        Args:
+            logprobs (array): ``[..., V]`` float32, float16 or bfloat16 log-probabilities.
+
+        Returns:
+            array: lazy ``[..., V]`` float32; rows sum to 1, filtered-out tokens are exactly 0.
+            Greedy: the one-hot of the argmax (first index among ties). A row without any finite
+            log-probability gives NaN.
+
+        Raises:
+            ValueError: ``logprobs`` has no last axis or a non-float dtype.
+        """
+        _check_logprobs("SpecSampler.probs", logprobs)
+        if self.greedy:
+            best = mx.argmax(logprobs, axis=-1, keepdims=True)
+            return (mx.arange(logprobs.shape[-1]) == best).astype(mx.float32)
+        # mx.random.categorical adds float32 Gumbel noise, so it draws from this softmax.
+        return mx.softmax(self._logits(logprobs).astype(mx.float32), axis=-1)
+
+
+def make_sampler(
+    temp: float = 0.0,
+    top_p: float = 0.0,
+    min_p: float = 0.0,
+    min_tokens_to_keep: int = 1,
+    top_k: int = 0,
+) -> SpecSampler:
+    """Make a sampler that mlx-lm can use and that exposes its distribution.
+
+    The arguments mean what they mean for ``mlx_lm.sample_utils.make_sampler``: top-p, min-p and
+    top-k filter the temperature-1 log-probabilities in that order, then the temperature scales
+    them; ``temp`` 0 is greedy.
+
+    Args:
+        temp (float): temperature, finite and >= 0. Default: 0 (greedy).
+        top_p (float): nucleus mass in ``[0, 1]``; 0 or 1 is off. Default: 0.
+        min_p (float): min-p in ``[0, 1]``; 0 is off. Default: 0.
+        min_tokens_to_keep (int): tokens min-p always keeps, >= 1. Default: 1.
+        top_k (int): tokens top-k keeps, >= 0; 0, or at least ``V``, is off. Default: 0.
+
+    Returns:
+        SpecSampler: ``sampler(logprobs)`` draws ``[...]`` uint32 tokens from ``[..., V]``
+        log-probabilities; ``sampler.probs(logprobs)`` is their ``[..., V]`` float32
+        distribution; ``sampler.greedy`` tells whether it takes the argmax.
+
+    Raises:
+        ValueError: an argument is out of range; the message names it.
+    """
+    _check_params("make_sampler", temp, top_p, min_p, min_tokens_to_keep, top_k)
+    return SpecSampler(temp, top_p, min_p, min_tokens_to_keep, top_k)
