@@ -1,0 +1,86 @@
+"""Argument validation shared by the public ops.
+
+Every check reads shapes and dtypes only (never values), so it is free, works on lazy arrays and
+under ``mx.vmap`` and ``mx.compile``, and its error names the function, the argument, its shape
+and its dtype.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+ID_DTYPES = (mx.uint32, mx.int32)
+
+
+def describe(a: mx.array) -> str:
+    """``shape (2, 5) and dtype float32``, for error messages."""
+    return f"shape {tuple(a.shape)} and dtype {str(a.dtype).removeprefix('mlx.core.')}"
+
+
+def _require_array(op: str, name: str, a: object) -> mx.array:
+    if not isinstance(a, mx.array):
+        raise ValueError(f"{op}: `{name}` must be an mx.array, got {type(a).__name__}")
+    return a
+
+
+def check_rows(op: str, name: str, rows: object) -> tuple[int, int]:
+    """Checks the ``[N + 1, V]`` floating-point verification rows.
+
+    Returns:
+        tuple[int, int]: the draft length ``N`` and the vocabulary size ``V``.
+    """
+    rows = _require_array(op, name, rows)
+    if rows.ndim != 2 or rows.dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"{op}: `{name}` must be [N + 1, V] float32, float16 or bfloat16, got {describe(rows)}"
+        )
+    if rows.shape[0] < 1 or rows.shape[1] < 1:
+        raise ValueError(
+            f"{op}: `{name}` needs at least one row and one column, got {describe(rows)}"
+        )
+    return rows.shape[0] - 1, rows.shape[1]
+
+
+def check_ids(op: str, name: str, ids: object, length: int | None = None) -> mx.array:
+    """Checks a ``[n]`` uint32 or int32 token-id array, of ``length`` when given."""
+    ids = _require_array(op, name, ids)
+    if ids.ndim != 1 or ids.dtype not in ID_DTYPES:
+        raise ValueError(f"{op}: `{name}` must be [n] uint32 or int32, got {describe(ids)}")
+    if length is not None and ids.shape[0] != length:
+        raise ValueError(
+            f"{op}: `{name}` must hold {length} tokens (one fewer than the rows), "
+            f"got {describe(ids)}"
+        )
+    return ids
+
+
+def check_eos(op: str, eos: object) -> mx.array | None:
+    """Checks the optional ``[E]`` end-of-sequence ids; ``None`` or an empty array mean none."""
+    if eos is None:
+        return None
+    eos = check_ids(op, "eos", eos)
+    return eos if eos.shape[0] > 0 else None
+
+
+def check_draft_probs(op: str, draft_probs: object, n: int, v: int) -> mx.array | None:
+    """Checks the optional ``[N, V]`` floating-point draft distributions."""
+    if draft_probs is None:
+        return None
+    q = _require_array(op, "draft_probs", draft_probs)
+    if q.dtype not in FLOAT_DTYPES or tuple(q.shape) != (n, v):
+        raise ValueError(
+            f"{op}: `draft_probs` must be [{n}, {v}] float32, float16 or bfloat16 (N = {n} draft "
+            f"tokens, V = {v}), got {describe(q)}"
+        )
+    return q
+
+
+def check_key(op: str, key: object) -> mx.array:
+    """Checks a ``[2]`` uint32 key as made by ``mx.random.key``."""
+    key = _require_array(op, "key", key)
+    if tuple(key.shape) != (2,) or key.dtype != mx.uint32:
+        raise ValueError(
+            f"{op}: `key` must be a [2] uint32 key from mx.random.key, got {describe(key)}"
+        )
+    return key

@@ -1,0 +1,359 @@
+"""Acceptance of a speculative draft, as one lazy MLX graph per verification step.
+
+A drafter proposes ``N`` tokens; the target scores the ``N + 1`` positions in one forward pass. The
+functions here decide how many draft tokens to keep and which token comes next, and return one lazy
+``[3]`` uint32 array ``[accepted, next, eos_hit]``:
+
+- ``accepted``: the longest accepted prefix of the draft, cut right after the first accepted
+  end-of-sequence token;
+- ``next``: the token after the accepted prefix (the target's own choice at that position);
+- ``eos_hit``: 1 if an accepted draft token or ``next`` is an end-of-sequence id.
+
+Nothing here reads the device: :func:`read` evaluates the result, one small host read per step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import cache
+
+import mlx.core as mx
+import numpy as np
+
+from ._checks import check_draft_probs, check_eos, check_ids, check_key, check_rows, describe
+
+StreamOrDevice = mx.Stream | mx.Device | None
+Verdict = tuple[int, int, bool]
+
+#: ``next`` carries this bit when the row that decided the result was not a valid row (a NaN in the
+#: logits; NaN, infinite or no mass in the probabilities); the low bits hold that row's position.
+INVALID_ROW = 1 << 31
+
+
+@contextmanager
+def _on(stream: StreamOrDevice) -> Iterator[None]:
+    if stream is None:
+        yield
+    else:
+        with mx.stream(stream):
+            yield
+
+
+def _on_cpu(stream: StreamOrDevice) -> bool:
+    if stream is None:
+        return mx.default_device().type == mx.DeviceType.cpu
+    device = stream.device if isinstance(stream, mx.Stream) else stream
+    return device.type == mx.DeviceType.cpu
+
+
+def _is_eos(tokens: mx.array, eos: mx.array) -> mx.array:
+    """``[n]`` bool: whether each of ``tokens`` (``[n]`` uint32) is one of ``eos`` (``[E]``)."""
+    return (tokens[:, None] == eos.astype(mx.uint32)[None, :]).any(axis=-1)
+
+
+def _accepted(ok: mx.array, draft: mx.array, eos: mx.array | None) -> tuple[mx.array, mx.array]:
+    """The accepted count and whether it ends on an EOS.
+
+    Args:
+        ok (array): ``[N]`` bool, whether each draft token passes its own test.
+        draft (array): ``[N]`` uint32 draft tokens.
+        eos (array, optional): ``[E]`` end-of-sequence ids, ``E >= 1``.
+
+    Returns:
+        tuple[array, array]: ``[]`` uint32, the longest prefix of passing tokens cut right after
+        its first EOS; ``[]`` bool, whether that prefix holds an EOS.
+    """
+    if draft.shape[0] == 0:
+        return mx.array(0, mx.uint32), mx.array(False)
+    accepted = mx.cumprod(ok.astype(mx.uint32)).sum()
+    if eos is None:
+        return accepted, mx.array(False)
+    # The index of the first EOS in the draft (N if none): the prefix stops right after it.
+    first_eos = mx.cumprod((~_is_eos(draft, eos)).astype(mx.uint32)).sum()
+    accepted = mx.minimum(accepted, first_eos + 1)
+    return accepted, first_eos < accepted
+
+
+def _result(
+    accepted: mx.array,
+    eos_in_draft: mx.array,
+    token: mx.array,
+    invalid: mx.array,
+    eos: mx.array | None,
+) -> mx.array:
+    """``[3]`` uint32 ``[accepted, next, eos_hit]``; an invalid deciding row marks ``next``."""
+    eos_hit = eos_in_draft if eos is None else eos_in_draft | _is_eos(token[None], eos)[0]
+    token = mx.where(invalid, accepted + INVALID_ROW, token)
+    return mx.stack([accepted, token, eos_hit.astype(mx.uint32)]).astype(mx.uint32)
+
+
+def accept_greedy(
+    logits: mx.array,
+    draft: mx.array,
+    eos: mx.array | None = None,
+    *,
+    stream: StreamOrDevice = None,
+) -> mx.array:
+    """Greedy acceptance of a draft from one verification step.
+
+    Draft token ``i`` is kept while it equals the argmax of row ``i`` (the first maximal index on
+    ties); ``next`` is the argmax of row ``accepted``. The emitted tokens are exactly the target's
+    greedy decoding.
+
+    Args:
+        logits (array): ``[N + 1, V]`` float32, float16 or bfloat16 target logits (or any scores
+            with the same argmax), any strides: ``out[0, -(N + 1):]`` of a ``[1, L, V]`` output,
+            a transposed view or a strided slice.
+        draft (array): ``[N]`` uint32 or int32 draft tokens, ``N >= 0``. An id outside
+            ``[0, V)`` is rejected.
+        eos (array, optional): ``[E]`` uint32 or int32 end-of-sequence ids; ``None`` or empty
+            for none. Default: ``None``.
+        stream (Stream or Device, optional): where to run. Default: the default stream.
+
+    Returns:
+        array: lazy ``[3]`` uint32 ``[accepted, next, eos_hit]``; read it with :func:`read`, which
+        raises if a NaN decided the result.
+
+    Raises:
+        ValueError: an argument has the wrong rank, dtype or length; the message names it.
+    """
+    n, _ = check_rows("accept_greedy", "logits", logits)
+    draft = check_ids("accept_greedy", "draft", draft, n)
+    eos = check_eos("accept_greedy", eos)
+    with _on(stream):
+        return _greedy_graph(_on_cpu(stream))(logits, draft, eos)
+
+
+@cache
+def _greedy_graph(on_cpu: bool) -> Callable[..., mx.array]:
+    """The compiled greedy graph for one backend (compiled once, traced once per shape)."""
+
+    def greedy(logits: mx.array, draft: mx.array, eos: mx.array | None) -> mx.array:
+        # MLX's CPU backend reduces half precision about 2x slower than it casts and reduces
+        # float32; the cast is exact, so the argmax is unchanged.
+        rows = logits.astype(mx.float32) if on_cpu else logits
+        choice = mx.argmax(rows, axis=-1)
+        # argmax returns the index of a NaN when the row has one: one gather per row finds them.
+        invalid = mx.isnan(mx.take_along_axis(rows, choice[:, None], axis=-1)[:, 0])
+        draft = draft.astype(mx.uint32)
+        ok = (draft == choice[: draft.shape[0]]) & ~invalid[: draft.shape[0]]
+        accepted, eos_in_draft = _accepted(ok, draft, eos)
+        token, bad = mx.take(choice, accepted), mx.take(invalid, accepted)
+        return _result(accepted, eos_in_draft, token, bad, eos)
+
+    return mx.compile(greedy)
+
+
+def _block_size(v: int) -> int:
+    """A block length near ``sqrt(V)`` for the two-level draw, dividing ``V`` if it can."""
+    root = max(1, math.isqrt(v))
+    for k in range(root, max(root // 4, 1) - 1, -1):
+        if v % k == 0:
+            return k
+    return root
+
+
+def _blocked(x: mx.array, k: int) -> mx.array:
+    """``[V]`` as ``[ceil(V / k), k]``, zero-padded."""
+    v = x.shape[0]
+    blocks = -(-v // k)
+    if blocks * k != v:
+        x = mx.pad(x, [(0, blocks * k - v)])
+    return x.reshape(blocks, k)
+
+
+def _draw_residual(
+    p_row: mx.array, q_row: mx.array | None, removed: mx.array | None, u: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Draws an index from ``norm(max(p - q, 0))``, or from ``p`` when that has no mass.
+
+    A two-level inverse CDF: block sums locate the block, a scan of that block locates the
+    index, so one uniform is drawn and no scan runs over the whole vocabulary. For a point-mass
+    ``q`` the residual is ``p`` without the ``removed`` token, so it costs one pass, not three.
+
+    Args:
+        p_row (array): ``[V]`` float32 target distribution.
+        q_row (array, optional): ``[V]`` float32 draft distribution to subtract.
+        removed (array, optional): ``[]`` uint32 token whose mass is removed instead (no token
+            when ``>= V``).
+        u (array): ``[]`` float32 uniform in ``[0, 1)``.
+
+    Returns:
+        tuple[array, array]: ``[]`` uint32 index in ``[0, V)`` with positive weight; ``[]`` bool,
+        true when the distribution drawn from is invalid (NaN, infinite or without mass).
+    """
+    v = p_row.shape[0]
+    k = _block_size(v)
+    p = _blocked(p_row, k)
+    blocks = p.shape[0]
+    p_sums = p.sum(axis=-1)
+
+    def residual_block(b: mx.array) -> mx.array:
+        block = mx.take(p, b, axis=0)
+        if q_row is not None:
+            return mx.maximum(block - mx.take(_blocked(q_row, k), b, axis=0), 0.0)
+        if removed is not None:
+            hit = (mx.arange(k, dtype=mx.uint32) == removed % k) & (b == removed // k)
+            return mx.where(hit, 0.0, block)
+        return block
+
+    if q_row is not None:
+        r_sums = mx.maximum(p - _blocked(q_row, k), 0.0).sum(axis=-1)
+    elif removed is not None:
+        # Only the removed token's block changes: sum it again without that token.
+        own = removed // k
+        own_sum = residual_block(mx.minimum(own, blocks - 1)).sum()
+        r_sums = mx.where(mx.arange(blocks, dtype=mx.uint32) == own, own_sum, p_sums)
+    else:
+        r_sums = p_sums
+    use_p = ~(r_sums.sum() > 0)
+    cum = mx.cumsum(mx.where(use_p, p_sums, r_sums))
+    total = cum[-1]
+    # Strictly below the total, so the block found has mass.
+    t = mx.minimum(u * total, total * (1 - 2.0**-23))
+    b = mx.minimum((cum <= t).sum(), blocks - 1).astype(mx.uint32)
+    below = mx.where(b > 0, mx.take(cum, mx.maximum(b, 1) - 1), 0.0)
+    scan = mx.cumsum(mx.where(use_p, mx.take(p, b, axis=0), residual_block(b)))
+    j = (scan <= t - below).sum().astype(mx.uint32)
+    # Block sums and scans round differently: when the scan ends at or below the target, take
+    # the last index with mass, the first maximum of the scan.
+    j = mx.where(j >= k, mx.argmax(scan).astype(mx.uint32), j)
+    index = mx.minimum(b * k + j, v - 1)
+    return index, ~mx.isfinite(total) | ~(total > 0)
+
+
+def accept_sampled(
+    probs: mx.array,
+    draft: mx.array,
+    draft_probs: mx.array | None,
+    eos: mx.array | None,
+    key: mx.array,
+    *,
+    stream: StreamOrDevice = None,
+) -> mx.array:
+    """Lossless sampled acceptance (rejection sampling) of a draft from one verification step.
+
+    Draft token ``d_i`` is accepted when ``u_i * q_i(d_i) < p_i(d_i)`` with ``u_i`` uniform in
+    ``[0, 1)``, that is with probability ``min(1, p_i(d_i) / q_i(d_i))``. After the first rejection,
+    at position ``a``, ``next`` is drawn from ``norm(max(p_a - q_a, 0))`` (from ``p_a`` when that
+    has no mass); after a fully accepted draft, from ``p_N``. Every emitted token then has exactly
+    the target's distribution (Leviathan et al. 2023; Chen et al. 2023).
+
+    ``key`` is split in two: the first half draws the ``N`` acceptance uniforms, the second the
+    draw of ``next``; the same key gives the same result. The drafter must sample its tokens with
+    keys independent of ``key``: shared randomness biases the output towards the draft.
+
+    Args:
+        probs (array): ``[N + 1, V]`` float32, float16 or bfloat16 target distributions (after
+            temperature and filters; rows sum to 1), any strides.
+        draft (array): ``[N]`` uint32 or int32 draft tokens, ``N >= 0``. An id outside
+            ``[0, V)`` is rejected.
+        draft_probs (array, optional): ``[N, V]`` float32, float16 or bfloat16 distributions the
+            draft tokens were drawn from; ``None`` for deterministic drafts (a point mass on each
+            draft token).
+        eos (array, optional): ``[E]`` uint32 or int32 end-of-sequence ids; ``None`` or empty
+            for none.
+        key (array): ``[2]`` uint32 key from ``mx.random.key``.
+        stream (Stream or Device, optional): where to run. Default: the default stream.
+
+    Returns:
+        array: lazy ``[3]`` uint32 ``[accepted, next, eos_hit]``; read it with :func:`read`, which
+        raises if the row that decided ``next`` holds NaN or infinity or has no mass.
+
+    Raises:
+        ValueError: an argument has the wrong rank, dtype, shape or length; the message names it.
+    """
+    op = "accept_sampled"
+    n, v = check_rows(op, "probs", probs)
+    draft = check_ids(op, "draft", draft, n)
+    q = check_draft_probs(op, draft_probs, n, v)
+    eos = check_eos(op, eos)
+    key = check_key(op, key)
+    with _on(stream):
+        return _sampled_graph(probs, draft, q, eos, key)
+
+
+@mx.compile
+def _sampled_graph(
+    probs: mx.array, draft: mx.array, q: mx.array | None, eos: mx.array | None, key: mx.array
+) -> mx.array:
+    """The compiled sampled graph (traced once per shape and set of optional inputs)."""
+    n, v = draft.shape[0], probs.shape[1]
+    accept_key, next_key = mx.random.split(key)
+    draft = draft.astype(mx.uint32)
+    safe = mx.minimum(draft, v - 1)[:, None]
+    p_draft = mx.take_along_axis(probs[:n], safe, axis=-1)[:, 0].astype(mx.float32)
+    u = mx.random.uniform(shape=(n,), key=accept_key)
+    if q is None:
+        ok = u < p_draft
+    else:
+        q_draft = mx.take_along_axis(q, safe, axis=-1)[:, 0].astype(mx.float32)
+        ok = u * q_draft < p_draft
+    accepted, eos_in_draft = _accepted(ok & (draft < v), draft, eos)
+    token, bad = _next_token(probs, q, draft, accepted, next_key)
+    return _result(accepted, eos_in_draft, token, bad, eos)
+
+
+def _next_token(
+    probs: mx.array,
+    q: mx.array | None,
+    draft: mx.array,
+    accepted: mx.array,
+    key: mx.array,
+) -> tuple[mx.array, mx.array]:
+    """``next`` (``[]`` uint32) drawn from the residual of row ``accepted``, and its validity."""
+    n = draft.shape[0]
+    p_row = mx.take(probs, accepted, axis=0).astype(mx.float32)
+    u = mx.random.uniform(key=key)
+    if n == 0:
+        return _draw_residual(p_row, None, None, u)
+    last = mx.minimum(accepted, n - 1)
+    rejected = accepted < n
+    if q is None:
+        # A point mass on the draft token: the residual is p without that token.
+        removed = mx.where(rejected, mx.take(draft, last), 0xFFFFFFFF)
+        return _draw_residual(p_row, None, removed, u)
+    q_row = mx.take(q, last, axis=0).astype(mx.float32)
+    return _draw_residual(p_row, mx.where(rejected, q_row, 0.0), None, u)
+
+
+def read(result: mx.array) -> Verdict | list:
+    """Reads acceptance results with one host read.
+
+    Args:
+        result (array): ``[3]`` or ``[..., 3]`` uint32 from :func:`accept_greedy` or
+            :func:`accept_sampled` (batched through ``mx.vmap``).
+
+    Returns:
+        ``(accepted, next, eos_hit)`` as ``(int, int, bool)`` for a ``[3]`` result; for
+        ``[..., 3]``, a list of such tuples nested like the leading axes.
+
+    Raises:
+        ValueError: ``result`` is not ``[..., 3]`` uint32, or the row that decided a result was
+            invalid (NaN logits; NaN, infinite or massless probabilities): the message names the
+            position, and the batch index for a batched result.
+    """
+    if not isinstance(result, mx.array) or result.ndim < 1 or result.shape[-1] != 3:
+        shown = describe(result) if isinstance(result, mx.array) else type(result).__name__
+        raise ValueError(f"read: `result` must be [..., 3] uint32, got {shown}")
+    if result.dtype != mx.uint32:
+        raise ValueError(f"read: `result` must be [..., 3] uint32, got {describe(result)}")
+    values = np.array(result)
+    flagged = values[..., 1] >= INVALID_ROW
+    if flagged.any():
+        where = tuple(int(i) for i in np.unravel_index(np.argmax(flagged), flagged.shape))
+        position = int(values[where][1]) - INVALID_ROW
+        batch = f" (batch index {', '.join(map(str, where))})" if where else ""
+        raise ValueError(
+            f"read: the verification row at position {position}{batch} decided the result but is "
+            "invalid: NaN in the logits, or NaN, infinite or no mass in the probabilities"
+        )
+    return _verdicts(values)
+
+
+def _verdicts(values: np.ndarray) -> Verdict | list:
+    if values.ndim == 1:
+        return int(values[0]), int(values[1]), bool(values[2])
+    return [_verdicts(v) for v in values]
