@@ -24,7 +24,7 @@ import numpy as np
 
 from ._checks import check_draft_probs, check_eos, check_ids, check_key, check_rows, describe
 
-StreamOrDevice = mx.Stream | mx.Device | None
+StreamOrDevice = mx.Stream | mx.Device | mx.DeviceType | None
 Verdict = tuple[int, int, bool]
 
 #: ``next`` carries this bit when the row that decided the result was not a valid row (a NaN in the
@@ -43,9 +43,15 @@ def _on(stream: StreamOrDevice) -> Iterator[None]:
 
 def _on_cpu(stream: StreamOrDevice) -> bool:
     if stream is None:
-        return mx.default_device().type == mx.DeviceType.cpu
-    device = stream.device if isinstance(stream, mx.Stream) else stream
-    return device.type == mx.DeviceType.cpu
+        stream = mx.default_device()
+    if isinstance(stream, mx.Stream):
+        stream = stream.device
+    kind = stream if isinstance(stream, mx.DeviceType) else stream.type
+    return kind == mx.DeviceType.cpu
+
+
+# Boolean `&` and `|` are avoided: under mx.vmap, MLX 0.32's bitwise ops mix up a batched and an
+# unbatched operand (mx.vmap(lambda x: x & m)(X) is wrong); logical_and and logical_or are right.
 
 
 def _is_eos(tokens: mx.array, eos: mx.array) -> mx.array:
@@ -84,7 +90,9 @@ def _result(
     eos: mx.array | None,
 ) -> mx.array:
     """``[3]`` uint32 ``[accepted, next, eos_hit]``; an invalid deciding row marks ``next``."""
-    eos_hit = eos_in_draft if eos is None else eos_in_draft | _is_eos(token[None], eos)[0]
+    eos_hit = (
+        eos_in_draft if eos is None else mx.logical_or(eos_in_draft, _is_eos(token[None], eos)[0])
+    )
     token = mx.where(invalid, accepted + INVALID_ROW, token)
     return mx.stack([accepted, token, eos_hit.astype(mx.uint32)]).astype(mx.uint32)
 
@@ -138,7 +146,7 @@ def _greedy_graph(on_cpu: bool) -> Callable[..., mx.array]:
         # argmax returns the index of a NaN when the row has one: one gather per row finds them.
         invalid = mx.isnan(mx.take_along_axis(rows, choice[:, None], axis=-1)[:, 0])
         draft = draft.astype(mx.uint32)
-        ok = (draft == choice[: draft.shape[0]]) & ~invalid[: draft.shape[0]]
+        ok = mx.logical_and(draft == choice[: draft.shape[0]], ~invalid[: draft.shape[0]])
         accepted, eos_in_draft = _accepted(ok, draft, eos)
         token, bad = mx.take(choice, accepted), mx.take(invalid, accepted)
         return _result(accepted, eos_in_draft, token, bad, eos)
@@ -195,7 +203,7 @@ def _draw_residual(
         if q_row is not None:
             return mx.maximum(block - mx.take(_blocked(q_row, k), b, axis=0), 0.0)
         if removed is not None:
-            hit = (mx.arange(k, dtype=mx.uint32) == removed % k) & (b == removed // k)
+            hit = mx.logical_and(mx.arange(k, dtype=mx.uint32) == removed % k, b == removed // k)
             return mx.where(hit, 0.0, block)
         return block
 
@@ -221,7 +229,7 @@ def _draw_residual(
     # the last index with mass, the first maximum of the scan.
     j = mx.where(j >= k, mx.argmax(scan).astype(mx.uint32), j)
     index = mx.minimum(b * k + j, v - 1)
-    return index, ~mx.isfinite(total) | ~(total > 0)
+    return index, mx.logical_or(~mx.isfinite(total), ~(total > 0))
 
 
 def accept_sampled(
@@ -291,8 +299,12 @@ def _sampled_graph(
     else:
         q_draft = mx.take_along_axis(q, safe, axis=-1)[:, 0].astype(mx.float32)
         ok = u * q_draft < p_draft
-    accepted, eos_in_draft = _accepted(ok & (draft < v), draft, eos)
+    accepted, eos_in_draft = _accepted(mx.logical_and(ok, draft < v), draft, eos)
     token, bad = _next_token(probs, q, draft, accepted, next_key)
+    if q is None and n:
+        # The residual drops the draft token, so a NaN there is caught here, not by the draw.
+        nan_draft = mx.isnan(mx.take(p_draft, mx.minimum(accepted, n - 1)))
+        bad = mx.logical_or(bad, mx.logical_and(accepted < n, nan_draft))
     return _result(accepted, eos_in_draft, token, bad, eos)
 
 

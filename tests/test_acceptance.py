@@ -1,0 +1,439 @@
+"""Behaviour of accept_greedy, accept_sampled and read: worked examples, edge cases, errors,
+laziness under vmap and compile, and the reporting of invalid rows.
+
+Exhaustive comparisons with the NumPy oracle live in test_oracle_properties.py and the
+distribution proofs in test_distribution.py.
+"""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_spec import INVALID_ROW, accept_greedy, accept_sampled, read
+
+NAN = float("nan")
+
+
+def ids(*tokens: int, dtype: mx.Dtype = mx.uint32) -> mx.array:
+    return mx.array(list(tokens), dtype=dtype)
+
+
+def one_hot_rows(choices: list[int], v: int, high: float = 9.0) -> mx.array:
+    rows = np.zeros((len(choices), v), np.float32)
+    rows[np.arange(len(choices)), choices] = high
+    return mx.array(rows)
+
+
+# Worked examples, by hand from the definition.
+
+
+def test_greedy_accepts_the_matching_prefix_and_takes_the_next_argmax():
+    logits = one_hot_rows([2, 0, 1], 3)
+    assert read(accept_greedy(logits, ids(2, 0))) == (2, 1, False)
+
+
+def test_greedy_stops_at_the_first_mismatch():
+    logits = one_hot_rows([2, 0, 1, 3], 4)
+    assert read(accept_greedy(logits, ids(2, 1, 1))) == (1, 0, False)
+    assert read(accept_greedy(logits, ids(0, 0, 1))) == (0, 2, False)
+
+
+def test_eos_in_draft_cuts_acceptance():
+    logits = one_hot_rows([2, 0, 1, 3], 4)
+    assert read(accept_greedy(logits, ids(2, 0, 1), eos=ids(0))) == (2, 1, True)
+
+
+def test_eos_as_next_token_is_reported():
+    logits = one_hot_rows([2, 0, 1], 3)
+    assert read(accept_greedy(logits, ids(2, 0), eos=ids(1))) == (2, 1, True)
+
+
+def test_rejected_eos_in_draft_is_not_a_hit():
+    logits = one_hot_rows([2, 0, 1], 3)
+    assert read(accept_greedy(logits, ids(1, 0), eos=ids(1))) == (0, 2, False)
+
+
+def test_all_eos_draft_stops_after_the_first():
+    logits = one_hot_rows([4, 4, 4, 4], 5)
+    assert read(accept_greedy(logits, ids(4, 4, 4), eos=ids(4))) == (1, 4, True)
+
+
+@pytest.mark.parametrize("eos", [None, ids(), ids(dtype=mx.int32)])
+def test_no_eos_means_no_hit(eos):
+    logits = one_hot_rows([0, 0, 0], 2)
+    assert read(accept_greedy(logits, ids(0, 0), eos)) == (2, 0, False)
+
+
+def test_duplicate_eos_ids_count_once():
+    logits = one_hot_rows([2, 0, 1], 3)
+    assert read(accept_greedy(logits, ids(2, 0), eos=ids(0, 0, 0))) == (2, 1, True)
+
+
+def test_int32_ids_behave_as_uint32():
+    logits = one_hot_rows([2, 0, 1], 3)
+    assert read(accept_greedy(logits, ids(2, 0, dtype=mx.int32), ids(1, dtype=mx.int32))) == (
+        2,
+        1,
+        True,
+    )
+
+
+def test_empty_draft_returns_the_first_argmax():
+    assert read(accept_greedy(one_hot_rows([3], 5), ids())) == (0, 3, False)
+
+
+def test_single_token_vocabulary():
+    assert read(accept_greedy(mx.zeros((3, 1)), ids(0, 0))) == (2, 0, False)
+    probs = mx.ones((3, 1))
+    assert read(accept_sampled(probs, ids(0, 0), probs[:2], None, mx.random.key(0))) == (
+        2,
+        0,
+        False,
+    )
+
+
+def test_bfloat16_ties_take_the_first_maximum():
+    # 1.0 and 1.001 are the same bfloat16 number: the first of them is the argmax.
+    logits = mx.array([[0.5, 1.0, 1.001], [1.0, 1.001, 0.0]]).astype(mx.bfloat16)
+    assert read(accept_greedy(logits, ids(1))) == (1, 0, False)
+    assert read(accept_greedy(logits, ids(2))) == (0, 1, False)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_greedy_takes_every_float_dtype(dtype):
+    logits = one_hot_rows([1, 2, 0], 4).astype(dtype)
+    assert read(accept_greedy(logits, ids(1, 2))) == (2, 0, False)
+
+
+def test_out_of_vocabulary_draft_ids_are_rejected():
+    logits = one_hot_rows([2, 0, 1], 3)
+    assert read(accept_greedy(logits, ids(3, 0))) == (0, 2, False)
+    assert read(accept_greedy(logits, ids(-1, 0, dtype=mx.int32))) == (0, 2, False)
+    probs = mx.softmax(logits, axis=-1)
+    for draft in (ids(3, 0), ids(2**32 - 1, 0), ids(-5, 0, dtype=mx.int32)):
+        for q in (None, probs[:2]):
+            accepted, token, _ = read(accept_sampled(probs, draft, q, None, mx.random.key(1)))
+            assert accepted == 0 and 0 <= token < 3
+
+
+# Layouts: any strides.
+
+
+def test_greedy_reads_a_slice_of_a_model_output():
+    out = mx.random.normal((1, 7, 11), key=mx.random.key(3))
+    rows = out[0, -4:]
+    choice = np.argmax(np.array(rows), axis=-1)
+    draft = mx.array(choice[:3].astype(np.uint32))
+    assert read(accept_greedy(rows, draft)) == (3, int(choice[3]), False)
+
+
+def test_greedy_reads_transposed_and_strided_views():
+    base = mx.random.normal((13, 9), key=mx.random.key(4))
+    for rows in (base.T[:, ::2], base[::3, 1::2]):
+        choice = np.argmax(np.array(rows), axis=-1)
+        n = rows.shape[0] - 1
+        draft = mx.array(choice[:n].astype(np.uint32))
+        assert read(accept_greedy(rows, draft)) == (n, int(choice[n]), False)
+
+
+def test_sampled_reads_transposed_views_like_contiguous_rows():
+    probs = mx.softmax(mx.random.normal((4, 6), key=mx.random.key(5)), axis=-1)
+    draft_probs = mx.softmax(mx.random.normal((3, 6), key=mx.random.key(6)), axis=-1)
+    draft = ids(1, 2, 3)
+    for i in range(20):
+        key = mx.random.key(i)
+        expected = read(accept_sampled(probs, draft, draft_probs, None, key))
+        transposed = mx.array(np.ascontiguousarray(np.array(probs).T)).T
+        assert read(accept_sampled(transposed, draft, draft_probs, None, key)) == expected
+
+
+# Sampled acceptance: the cases whose outcome is certain.
+
+
+def test_identical_distributions_accept_everything():
+    probs = mx.softmax(mx.random.normal((5, 16), key=mx.random.key(7)), axis=-1)
+    draft = ids(3, 1, 4, 1)
+    for i in range(50):
+        accepted, token, _ = read(accept_sampled(probs, draft, probs[:4], None, mx.random.key(i)))
+        assert accepted == 4 and 0 <= token < 16
+
+
+def test_disjoint_supports_reject_and_draw_from_the_target():
+    p = np.zeros((2, 6), np.float32)
+    p[:, :3] = 1 / 3
+    q = np.zeros((1, 6), np.float32)
+    q[0, 3:] = 1 / 3
+    for i in range(50):
+        accepted, token, _ = read(
+            accept_sampled(mx.array(p), ids(4), mx.array(q), None, mx.random.key(i))
+        )
+        assert accepted == 0 and token in (0, 1, 2)
+
+
+def test_zero_mass_draft_token_is_never_accepted():
+    p = mx.array([[0.0, 0.5, 0.5], [0.2, 0.3, 0.5]])
+    for i in range(50):
+        accepted, token, _ = read(accept_sampled(p, ids(0), None, None, mx.random.key(i)))
+        assert accepted == 0 and token in (1, 2)
+
+
+def test_certain_draft_token_is_always_accepted():
+    p = mx.array([[0.0, 1.0, 0.0], [0.2, 0.3, 0.5]])
+    for i in range(50):
+        assert read(accept_sampled(p, ids(1), None, None, mx.random.key(i)))[0] == 1
+
+
+def test_zero_mass_residual_falls_back_to_the_target_row():
+    # The EOS cut stops at position 1 although p = q there: the residual has no mass, so next
+    # is drawn from p_1 itself, whose support is {1, 2}.
+    p = mx.array([[1.0, 0.0, 0.0], [0.0, 0.5, 0.5], [1 / 3, 1 / 3, 1 / 3]])
+    seen = set()
+    for i in range(60):
+        result = accept_sampled(p, ids(0, 2), p[:2], ids(0), mx.random.key(i))
+        accepted, token, eos_hit = read(result)
+        assert (accepted, eos_hit) == (1, True)
+        seen.add(token)
+    assert seen == {1, 2}
+
+
+def test_residual_excludes_tokens_where_the_draft_had_more_mass():
+    # Rejected at position 0: the residual max(p - q, 0) is zero on tokens 0 and 1.
+    p = mx.array([[0.1, 0.1, 0.8], [0.5, 0.5, 0.0]])
+    q = mx.array([[0.5, 0.5, 0.0]])
+    for i in range(60):
+        accepted, token, _ = read(accept_sampled(p, ids(0), q, None, mx.random.key(i)))
+        assert (accepted, token) in ((1, 0), (1, 1), (0, 2))
+
+
+def test_same_key_same_result_and_keys_matter():
+    probs = mx.softmax(mx.random.normal((5, 32), key=mx.random.key(8)), axis=-1)
+    q = mx.softmax(mx.random.normal((4, 32), key=mx.random.key(9)), axis=-1)
+    draft = ids(1, 2, 3, 4)
+    results = [read(accept_sampled(probs, draft, q, None, mx.random.key(i))) for i in range(40)]
+    again = [read(accept_sampled(probs, draft, q, None, mx.random.key(i))) for i in range(40)]
+    assert results == again
+    assert len(set(results)) > 5
+
+
+def test_key_discipline_is_the_documented_split():
+    # u_i = uniform(split(key)[0], [N]): the outcome is fixed by these uniforms.
+    probs = mx.softmax(mx.random.normal((4, 8), key=mx.random.key(10)), axis=-1)
+    q = mx.softmax(mx.random.normal((3, 8), key=mx.random.key(11)), axis=-1)
+    draft = ids(5, 0, 7)
+    p_d = np.array(probs)[np.arange(3), [5, 0, 7]]
+    q_d = np.array(q)[np.arange(3), [5, 0, 7]]
+    for i in range(30):
+        key = mx.random.key(i)
+        u = np.array(mx.random.uniform(shape=(3,), key=mx.random.split(key)[0]))
+        expected = int(np.cumprod(u * q_d < p_d).sum())
+        assert read(accept_sampled(probs, draft, q, None, key))[0] == expected
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_sampled_takes_every_float_dtype(dtype):
+    probs = mx.array([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]]).astype(dtype)
+    assert read(accept_sampled(probs, ids(1), probs[:1], ids(), mx.random.key(0))) == (
+        1,
+        2,
+        False,
+    )
+
+
+# Invalid rows: what cannot be checked without a read.
+
+
+def test_nan_in_a_deciding_greedy_row_is_reported_with_its_position():
+    logits = one_hot_rows([2, 0, 1], 3)
+    logits[1, 2] = NAN
+    with pytest.raises(ValueError, match=r"read: .*position 1"):
+        read(accept_greedy(logits, ids(2, 0)))
+
+
+def test_nan_after_the_deciding_row_is_not_reported():
+    logits = one_hot_rows([2, 0, 1], 3)
+    logits[2, 0] = NAN
+    assert read(accept_greedy(logits, ids(1, 0))) == (0, 2, False)
+
+
+def test_nan_in_a_sampled_row_is_reported_with_its_position():
+    # The draft token's probability is NaN: it is rejected and the residual of row 1 is NaN.
+    p = mx.array([[0.0, 1.0, 0.0], [0.5, NAN, 0.5], [1.0, 0.0, 0.0]])
+    for q in (None, mx.array([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]])):
+        with pytest.raises(ValueError, match=r"read: .*position 1"):
+            read(accept_sampled(p, ids(1, 1), q, None, mx.random.key(0)))
+
+
+@pytest.mark.parametrize("bad", [math.inf, 0.0])
+def test_infinite_or_massless_sampled_row_is_reported(bad):
+    p = mx.array([[bad, 0.0, 0.0], [0.5, 0.5, 0.0]])
+    with pytest.raises(ValueError, match=r"read: .*position 0"):
+        read(accept_sampled(p, ids(2), None, None, mx.random.key(0)))
+
+
+def test_nan_in_a_batch_names_the_batch_index():
+    good = one_hot_rows([0, 1], 2)
+    bad = one_hot_rows([0, 1], 2)
+    bad[0, 1] = NAN
+    results = mx.vmap(lambda x: accept_greedy(x, ids(0)))(mx.stack([good, bad]))
+    with pytest.raises(ValueError, match=r"position 0 \(batch index 1\)"):
+        read(results)
+
+
+def test_next_is_in_vocabulary_even_when_the_read_reports():
+    logits = mx.full((3, 5), NAN)
+    raw = np.array(accept_greedy(logits, ids(0, 0)))
+    assert raw[1] & INVALID_ROW
+    probs = mx.full((3, 5), NAN)
+    raw = np.array(accept_sampled(probs, ids(0, 0), probs[:2], None, mx.random.key(0)))
+    assert raw[1] & INVALID_ROW and raw[0] == 0
+
+
+# Laziness, vmap and compile.
+
+
+def _batch_inputs(b: int, n: int, v: int):
+    logits = mx.random.normal((b, n + 1, v), key=mx.random.key(20))
+    probs = mx.softmax(logits, axis=-1)
+    q = mx.softmax(mx.random.normal((b, n, v), key=mx.random.key(21)), axis=-1)
+    draft = mx.argmax(q, axis=-1).astype(mx.uint32)
+    eos = mx.array([[1, 2]] * b, dtype=mx.uint32)
+    keys = mx.random.split(mx.random.key(22), b)
+    return logits, probs, q, draft, eos, keys
+
+
+@pytest.mark.parametrize("batched", ["logits", "draft", "eos", "all"])
+def test_vmapped_greedy_equals_the_loop(batched):
+    logits, _, _, draft, eos, _ = _batch_inputs(6, 4, 5)
+    args = {"logits": logits, "draft": draft, "eos": eos}
+    axes = tuple(0 if batched in (name, "all") else None for name in args)
+    unbatched = {k: (a if batched in (k, "all") else a[0]) for k, a in args.items()}
+    out = mx.vmap(accept_greedy, in_axes=axes)(*unbatched.values())
+    loop = [
+        read(
+            accept_greedy(
+                *(a[i] if ax == 0 else a for a, ax in zip(unbatched.values(), axes, strict=True))
+            )
+        )
+        for i in range(6)
+    ]
+    assert read(out) == loop
+
+
+@pytest.mark.parametrize("batched", ["probs", "draft", "draft_probs", "eos", "key", "all"])
+def test_vmapped_sampled_equals_the_loop(batched):
+    _, probs, q, draft, eos, keys = _batch_inputs(6, 4, 5)
+    args = {"probs": probs, "draft": draft, "draft_probs": q, "eos": eos, "key": keys}
+    axes = tuple(0 if batched in (name, "all") else None for name in args)
+    unbatched = [a if ax == 0 else a[0] for a, ax in zip(args.values(), axes, strict=True)]
+    out = mx.vmap(accept_sampled, in_axes=axes)(*unbatched)
+    loop = [
+        read(
+            accept_sampled(*(a[i] if ax == 0 else a for a, ax in zip(unbatched, axes, strict=True)))
+        )
+        for i in range(6)
+    ]
+    assert read(out) == loop
+
+
+def test_compiled_callers_get_the_eager_result():
+    _, probs, q, draft, eos, keys = _batch_inputs(1, 3, 7)
+    logits = mx.log(probs[0])
+
+    @mx.compile
+    def both(logits, probs, draft, q, eos, key):
+        return accept_greedy(logits, draft, eos), accept_sampled(probs, draft, q, eos, key)
+
+    greedy, sampled = both(logits, probs[0], draft[0], q[0], eos[0], keys[0])
+    assert read(greedy) == read(accept_greedy(logits, draft[0], eos[0]))
+    assert read(sampled) == read(accept_sampled(probs[0], draft[0], q[0], eos[0], keys[0]))
+
+
+def test_results_are_lazy_uint32_triples():
+    _, probs, q, draft, _, keys = _batch_inputs(1, 3, 7)
+    for out in (
+        accept_greedy(probs[0], draft[0]),
+        accept_sampled(probs[0], draft[0], q[0], None, keys[0]),
+    ):
+        assert out.shape == (3,) and out.dtype == mx.uint32
+
+
+def test_explicit_stream_gives_the_same_result():
+    _, probs, q, draft, _, keys = _batch_inputs(1, 3, 7)
+    expected = read(accept_sampled(probs[0], draft[0], q[0], None, keys[0]))
+    assert read(accept_sampled(probs[0], draft[0], q[0], None, keys[0], stream=mx.cpu)) == expected
+    assert read(accept_greedy(probs[0], draft[0], stream=mx.cpu)) == read(
+        accept_greedy(probs[0], draft[0])
+    )
+
+
+# read.
+
+
+def test_read_nests_like_the_leading_axes():
+    single = mx.array([2, 7, 1], dtype=mx.uint32)
+    assert read(single) == (2, 7, True)
+    batch = mx.array([[[1, 2, 0], [0, 3, 1]]], dtype=mx.uint32)
+    assert read(batch) == [[(1, 2, False), (0, 3, True)]]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [mx.zeros((2,), mx.uint32), mx.zeros((3,), mx.int32), mx.zeros((2, 4), mx.uint32), [1, 2, 3]],
+)
+def test_read_rejects_what_is_not_a_result(bad):
+    with pytest.raises(ValueError, match="read: `result` must be"):
+        read(bad)
+
+
+# Errors name the function, the argument, its shape and its dtype.
+
+LOGITS = mx.zeros((3, 5))
+DRAFT = ids(1, 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"logits": mx.zeros((5,))}, r"`logits` must be \[N \+ 1, V\].*shape \(5,\)"),
+        ({"logits": mx.zeros((3, 5), mx.int32)}, r"`logits`.*dtype int32"),
+        ({"logits": mx.zeros((3, 0))}, r"`logits` needs at least one row and one column"),
+        ({"draft": ids(1, 2, 3)}, r"`draft` must hold 2 tokens.*shape \(3,\)"),
+        ({"draft": mx.zeros((2,), mx.float32)}, r"`draft` must be \[n\] uint32 or int32.*float32"),
+        ({"draft": mx.zeros((1, 2), mx.uint32)}, r"`draft`.*shape \(1, 2\)"),
+        ({"eos": mx.zeros((1, 1), mx.uint32)}, r"`eos` must be \[n\].*shape \(1, 1\)"),
+        ({"eos": mx.zeros((2,), mx.int64)}, r"`eos`.*dtype int64"),
+        ({"logits": np.zeros((3, 5), np.float32)}, r"`logits` must be an mx.array, got ndarray"),
+    ],
+)
+def test_greedy_errors_name_the_argument(kwargs, pattern):
+    args = {"logits": LOGITS, "draft": DRAFT, "eos": None, **kwargs}
+    with pytest.raises(ValueError, match="accept_greedy: " + pattern):
+        accept_greedy(**args)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"probs": mx.zeros((3, 5), mx.uint32)}, r"`probs`.*dtype uint32"),
+        ({"draft": ids(1)}, r"`draft` must hold 2 tokens"),
+        ({"draft_probs": mx.zeros((3, 5))}, r"`draft_probs` must be \[2, 5\].*shape \(3, 5\)"),
+        ({"draft_probs": mx.zeros((2, 4))}, r"`draft_probs`.*shape \(2, 4\)"),
+        ({"draft_probs": mx.zeros((2, 5), mx.int32)}, r"`draft_probs`.*dtype int32"),
+        ({"key": mx.zeros((3,), mx.uint32)}, r"`key` must be a \[2\] uint32 key.*shape \(3,\)"),
+        ({"key": mx.zeros((2,), mx.int32)}, r"`key`.*dtype int32"),
+        ({"eos": mx.zeros((2,), mx.float32)}, r"`eos`.*float32"),
+    ],
+)
+def test_sampled_errors_name_the_argument(kwargs, pattern):
+    args = {
+        "probs": LOGITS,
+        "draft": DRAFT,
+        "draft_probs": None,
+        "eos": None,
+        "key": mx.random.key(0),
+        **kwargs,
+    }
+    with pytest.raises(ValueError, match="accept_sampled: " + pattern):
+        accept_sampled(**args)
