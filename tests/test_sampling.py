@@ -264,6 +264,15 @@ def test_probs_works_inside_compile():
     assert mx.array_equal(mx.compile(sampler.probs)(rows), sampler.probs(rows)).item()
 
 
+def test_probs_works_under_vmap():
+    rows = _random_logprobs((2, 9, 1000), mx.float32, seed=12)
+    sampler = make_sampler(temp=0.7, top_p=0.9, min_p=0.01, min_tokens_to_keep=3, top_k=100)
+    expected = sampler.probs(rows)
+    assert mx.array_equal(mx.vmap(sampler.probs)(rows), expected).item()
+    moved = mx.vmap(sampler.probs, in_axes=1, out_axes=1)(rows)
+    assert mx.array_equal(moved, expected).item()
+
+
 def test_single_token_vocabulary():
     row = mx.array([[-0.0], [0.0]])
     for args in (dict(), dict(temp=1.0, top_p=0.5, min_p=0.5, min_tokens_to_keep=3, top_k=4)):
