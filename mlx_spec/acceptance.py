@@ -198,17 +198,19 @@ def _draw_residual(
     blocks = p.shape[0]
     p_sums = p.sum(axis=-1)
 
+    q = None if q_row is None else _blocked(q_row, k)
+
     def residual_block(b: mx.array) -> mx.array:
         block = mx.take(p, b, axis=0)
-        if q_row is not None:
-            return mx.maximum(block - mx.take(_blocked(q_row, k), b, axis=0), 0.0)
+        if q is not None:
+            return mx.maximum(block - mx.take(q, b, axis=0), 0.0)
         if removed is not None:
             hit = mx.logical_and(mx.arange(k, dtype=mx.uint32) == removed % k, b == removed // k)
             return mx.where(hit, 0.0, block)
         return block
 
-    if q_row is not None:
-        r_sums = mx.maximum(p - _blocked(q_row, k), 0.0).sum(axis=-1)
+    if q is not None:
+        r_sums = mx.maximum(p - q, 0.0).sum(axis=-1)
     elif removed is not None:
         # Only the removed token's block changes: sum it again without that token.
         own = removed // k
@@ -327,8 +329,9 @@ def _next_token(
         # A point mass on the draft token: the residual is p without that token.
         removed = mx.where(rejected, mx.take(draft, last), 0xFFFFFFFF)
         return _draw_residual(p_row, None, removed, u)
-    q_row = mx.take(q, last, axis=0).astype(mx.float32)
-    return _draw_residual(p_row, mx.where(rejected, q_row, 0.0), None, u)
+    # After a full accept the draw is from p_N: q is scaled by 0 (fused into the residual).
+    q_row = mx.take(q, last, axis=0).astype(mx.float32) * rejected
+    return _draw_residual(p_row, q_row, None, u)
 
 
 def read(result: mx.array) -> Verdict | list:

@@ -1,0 +1,36 @@
+"""Every ```python block in README.md and docs/*.md runs, in order, one namespace per file; and
+.ci/run runs exactly the test command that README.md gives."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
+
+
+def python_blocks(path: Path) -> list[str]:
+    return BLOCK.findall(path.read_text())
+
+
+@pytest.mark.parametrize("path", DOCS, ids=[p.name for p in DOCS])
+def test_code_blocks_run(path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": f"doc_{path.stem}"}
+    for i, block in enumerate(python_blocks(path)):
+        code = compile(block, f"{path.name} block {i + 1}", "exec")
+        exec(code, namespace)
+
+
+def test_readme_has_python_examples():
+    assert python_blocks(ROOT / "README.md")
+
+
+def test_ci_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"^(python -m pip install .*pytest.*)$", readme, re.MULTILINE)
+    assert len(commands) == 1, "README.md must give exactly one test command"
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert commands[0] in ci
