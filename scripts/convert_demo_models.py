@@ -1,0 +1,433 @@
+"""Convert the trained demo pair to MLX, measure it on this machine and document it.
+
+Takes the folder written by ``scripts/train_demo_models.py`` (``target/`` with the tokenizer
+files, ``draft/``, ``train_report.json``) and:
+
+1. converts both with ``mlx_lm.convert`` from the local folders (offline, bfloat16, no
+   quantization) into ``<dst>/target`` and ``<dst>/draft``, the draft getting the target's
+   tokenizer files;
+2. checks that everything shipped weighs at most 24 MB together;
+3. loads both with ``mlx_lm.load`` and generates a few greedy tokens with each;
+4. measures the forward cost of 1 to 5 and 9 tokens (64 tokens in the cache) of each model,
+   median of repeats, target and draft interleaved so that they share the machine's load;
+5. measures greedy agreement on held-out prompts: the target continues each prompt greedily
+   and the draft's argmax is compared with the target's token at each generated position
+   (under greedy acceptance these are exactly the draft proposals that would be accepted);
+   from those matches it counts the tokens per round speculation would give for 1 to 4 draft
+   tokens, and the speed-up these and the measured costs predict;
+6. writes ``<dst>/README.md`` with these facts and the training report's.
+
+Example::
+
+    python scripts/convert_demo_models.py --src /tmp/demo --dst mlx_spec/demo --force
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+MAX_TOTAL_BYTES = 24_000_000
+MIN_COST_RATIO = 5.0
+MIN_AGREEMENT = 0.5
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+COST_LENGTHS = (1, 2, 3, 4, 5, 9)
+
+
+def load_train_module() -> Any:
+    """Import ``scripts/train_demo_models.py`` for its corpus functions (it needs no torch)."""
+    path = Path(__file__).with_name("train_demo_models.py")
+    spec = importlib.util.spec_from_file_location("train_demo_models", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def stage_hf_folders(src: Path, staging: Path) -> dict[str, Path]:
+    """Copy the trained folders, giving the draft the target's tokenizer files.
+
+    Args:
+        src (Path): the training output folder.
+        staging (Path): an empty scratch folder.
+
+    Returns:
+        dict[str, Path]: ``{"target": ..., "draft": ...}`` Hugging Face folders.
+    """
+    folders = {}
+    for name in ("target", "draft"):
+        folder = staging / name
+        shutil.copytree(src / name, folder)
+        for f in TOKENIZER_FILES:
+            if not (folder / f).exists():
+                shutil.copy(src / "target" / f, folder / f)
+        folders[name] = folder
+    return folders
+
+
+def convert_one(hf_folder: Path, mlx_folder: Path) -> None:
+    """``mlx_lm.convert`` one local folder to bfloat16 MLX weights, no quantization.
+
+    The config keeps ``rope_theta`` at the top level too, where mlx-lm's llama reads it
+    (transformers 5 writes it under ``rope_parameters`` only).
+
+    Args:
+        hf_folder (Path): a Hugging Face folder with the tokenizer files.
+        mlx_folder (Path): the destination; must not exist.
+    """
+    from mlx_lm import convert
+
+    convert(hf_path=str(hf_folder), mlx_path=str(mlx_folder), dtype="bfloat16", quantize=False)
+    # Ship the trained tokenizer files as they are (mlx-lm re-saves them with the installed
+    # transformers, whose format older versions may not read), and no stub model card.
+    for f in TOKENIZER_FILES:
+        shutil.copy(hf_folder / f, mlx_folder / f)
+    (mlx_folder / "README.md").unlink(missing_ok=True)
+    config_path = mlx_folder / "config.json"
+    config = json.loads(config_path.read_text())
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" not in config and "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]
+        config_path.write_text(json.dumps(config, indent=4, sort_keys=True) + "\n")
+
+
+def folder_bytes(folder: Path) -> int:
+    """Total size of the files in ``folder`` (not recursive)."""
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+
+
+def make_forward_timer(model: Any, vocab: int, context: int = 64) -> Callable[[int], float]:
+    """A function timing one forward pass of ``n`` tokens after ``context`` cached tokens.
+
+    Args:
+        model (nn.Module): an mlx-lm model.
+        vocab (int): vocabulary size (ids are drawn below it).
+        context (int): tokens in the cache before each timed pass.
+
+    Returns:
+        Callable[[int], float]: ``time_once(n)`` in seconds; the cache is trimmed back after.
+    """
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.random.randint(0, vocab, (1, context), key=mx.random.key(0)), cache=cache))
+
+    def time_once(n: int) -> float:
+        x = mx.random.randint(0, vocab, (1, n), key=mx.random.key(n))
+        mx.eval(x)
+        t = time.perf_counter()
+        mx.eval(model(x, cache=cache))
+        elapsed = time.perf_counter() - t
+        trim_prompt_cache(cache, n)
+        return elapsed
+
+    return time_once
+
+
+def measure_costs(models: dict[str, Any], vocab: int, repeats: int) -> dict[str, dict[int, float]]:
+    """Median forward cost in milliseconds of each model for each of ``COST_LENGTHS``.
+
+    The models are timed in turn inside each repeat, so a change of load hits both alike.
+
+    Args:
+        models (dict[str, nn.Module]): models by name.
+        vocab (int): vocabulary size.
+        repeats (int): timed repeats per length, after 3 untimed ones.
+
+    Returns:
+        dict[str, dict[int, float]]: ``costs[name][n]`` in ms.
+    """
+    timers = {name: make_forward_timer(m, vocab) for name, m in models.items()}
+    samples: dict[str, dict[int, list[float]]] = {n: {k: [] for k in COST_LENGTHS} for n in models}
+    for i in range(repeats + 3):
+        for n in COST_LENGTHS:
+            for name, time_once in timers.items():
+                t = time_once(n)
+                if i >= 3:
+                    samples[name][n].append(t)
+    return {
+        name: {n: round(statistics.median(v) * 1e3, 3) for n, v in by_n.items()}
+        for name, by_n in samples.items()
+    }
+
+
+def greedy_continue(model: Any, prompt: list[int], new_tokens: int) -> list[int]:
+    """Greedy continuation of ``prompt`` with a KV cache; returns the new tokens only."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)
+    out: list[int] = []
+    for _ in range(new_tokens):
+        token = mx.argmax(logits[0, -1])
+        out.append(token.item())
+        logits = model(token.reshape(1, 1), cache=cache)
+    return out
+
+
+def agreement_matches(
+    target: Any, draft: Any, prompts: list[list[int]], new_tokens: int
+) -> list[list[bool]]:
+    """Per generated position, whether the draft's argmax equals the target's greedy token.
+
+    Args:
+        target (nn.Module): the target model.
+        draft (nn.Module): the draft model.
+        prompts (list[list[int]]): token ids of each prompt.
+        new_tokens (int): tokens the target generates after each prompt.
+
+    Returns:
+        list[list[bool]]: ``new_tokens`` matches for each prompt.
+    """
+    matches = []
+    for prompt in prompts:
+        cont = greedy_continue(target, prompt, new_tokens)
+        seq = mx.array([prompt + cont[:-1]])
+        guesses = mx.argmax(draft(seq)[0, len(prompt) - 1 :], axis=-1).tolist()
+        matches.append([g == c for g, c in zip(guesses, cont, strict=True)])
+    return matches
+
+
+def tokens_per_round(matches: list[list[bool]], num_draft: int) -> float:
+    """Mean tokens a greedy speculative round yields, replayed from the match sequences.
+
+    A round at position ``i`` accepts the run of matches starting there (at most
+    ``num_draft``) and adds the target's own token.
+
+    Args:
+        matches (list[list[bool]]): output of :func:`agreement_matches`.
+        num_draft (int): draft tokens per round.
+
+    Returns:
+        float: tokens per round.
+    """
+    tokens, rounds = 0, 0
+    for m in matches:
+        i = 0
+        while i < len(m):
+            a = 0
+            while a < num_draft and i + a < len(m) and m[i + a]:
+                a += 1
+            step = min(a + 1, len(m) - i)
+            tokens += step
+            rounds += 1
+            i += step
+    return tokens / rounds
+
+
+def heldout_prompts(tokenizer_file: Path, count: int, length: int) -> list[list[int]]:
+    """``count`` prompts of ``length`` tokens spread evenly over the held-out documents.
+
+    Args:
+        tokenizer_file (Path): the shared ``tokenizer.json``.
+        count (int): number of prompts.
+        length (int): tokens per prompt.
+
+    Returns:
+        list[list[int]]: token ids.
+    """
+    from tokenizers import Tokenizer
+
+    train = load_train_module()
+    _, heldout = train.build_corpus()
+    encodings = Tokenizer.from_file(str(tokenizer_file)).encode_batch(
+        heldout, add_special_tokens=False
+    )
+    stream = [i for e in encodings for i in e.ids]
+    stride = (len(stream) - length) // count
+    return [stream[i * stride : i * stride + length] for i in range(count)]
+
+
+def write_readme(dst: Path, facts: dict[str, Any]) -> None:
+    """Write ``<dst>/README.md`` from the measured facts and the training report."""
+    tr, t, d = (
+        facts["train_report"],
+        facts["train_report"]["target"],
+        facts["train_report"]["draft"],
+    )
+    rt, rd = tr["recipe"]["target"], tr["recipe"]["draft"]
+    ct, cd = facts["costs_ms"]["target"], facts["costs_ms"]["draft"]
+    mb = 1e6
+    rows = "\n".join(
+        f"| {n} | {ct[n]:.2f} | {cd[n]:.2f} | {ct[n] / cd[n]:.1f} |" for n in COST_LENGTHS
+    )
+    spec_rows = "\n".join(
+        f"| {k} | {v['tokens_per_round']:.2f} | {v['predicted_speedup']:.2f} |"
+        for k, v in facts["speculation"].items()
+    )
+    text = f"""# The demo model pair
+
+A tiny llama target and a distilled draft that share one byte-level BPE tokenizer
+(vocabulary {tr["tokenizer"]["vocab_size"]}), trained on text every Python install carries: the
+documentation in `pydoc_data.topics` and the standard library's own source. They are here so that
+speculative decoding can be shown on any machine with no download; they are not useful models.
+
+| | target | draft |
+| --- | --- | --- |
+| layers x hidden (MLP) | {rt["layers"]} x {rt["hidden"]} ({rt["intermediate"]}) \
+| {rd["layers"]} x {rd["hidden"]} ({rd["intermediate"]}) |
+| attention heads / KV heads | {rt["heads"]} / {rt["kv_heads"]} | {rd["heads"]} / {rd["kv_heads"]} |
+| parameters (embeddings tied) | {t["params"]:,} | {d["params"]:,} |
+| files on disk | {facts["bytes"]["target"] / mb:.2f} MB | {facts["bytes"]["draft"] / mb:.2f} MB |
+| training steps (batch {tr["recipe"]["batch"]} x {tr["recipe"]["seq_len"]} tokens) \
+| {t["steps"]} | {d["steps"]} |
+| training time | {t["seconds"]:.0f} s | {d["seconds"]:.0f} s |
+| final training loss | {t["final_train_loss"]:.3f} (cross-entropy) \
+| {d["final_train_loss"]:.3f} (KL to the target) |
+| held-out cross-entropy (nats/token) | {t["heldout_loss"]:.3f} | {d["heldout_loss"]:.3f} |
+
+Both folders together: {facts["bytes"]["total"] / mb:.2f} MB (limit {MAX_TOTAL_BYTES / mb:.0f} MB),
+bfloat16, no quantization (MLX's CPU backend runs 4-bit layers far slower than bfloat16 ones).
+
+Trained by `scripts/train_demo_models.py` on {tr["device"]}\
+{f" ({tr['gpu']})" if tr.get("gpu") else ""} with Python {tr["versions"]["python"]}, torch
+{tr["versions"]["torch"]} and transformers {tr["versions"]["transformers"]} in
+{tr["wall_seconds"]:.0f} s (seed {tr["seed"]}; `{tr["command"]}`); the held-out split is every
+document whose name satisfies {tr["corpus"]["heldout_rule"]}. Converted with `mlx_lm.convert`
+by `scripts/convert_demo_models.py`, which measured what follows on {facts["machine"]}.
+
+## Forward cost (ms, median of {facts["repeats"]}, 64 tokens in the cache)
+
+| tokens | target | draft | ratio |
+| --- | --- | --- | --- |
+{rows}
+
+## Agreement
+
+On {facts["prompts"]} held-out prompts of {facts["prompt_len"]} tokens, the target generated
+{facts["new_tokens"]} greedy tokens each; the draft's argmax equals the target's token at
+{facts["agreement"]:.1%} of those {facts["positions"]} positions (the training script measured
+{tr["agreement"]["heldout_text"]:.1%} on held-out text itself, with PyTorch).
+
+Replaying those matches as greedy speculation with N draft tokens a round, and pricing a round
+as N single-token draft passes plus one target pass over N + 1 tokens (costs above):
+
+| N | tokens per round | predicted speed-up over plain decoding |
+| --- | --- | --- |
+{spec_rows}
+
+The prediction leaves out sampling and bookkeeping; the demo and the benchmarks measure the
+real loop.
+
+## Reproduce
+
+```bash
+python3 scripts/train_demo_models.py --out /tmp/demo {" ".join(facts["train_flags"])}
+python scripts/convert_demo_models.py --src /tmp/demo --dst mlx_spec/demo --force
+```
+"""
+    (dst / "README.md").write_text(text)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--src", type=Path, required=True, help="train_demo_models.py output")
+    p.add_argument("--dst", type=Path, default=Path("mlx_spec/demo"))
+    p.add_argument("--force", action="store_true", help="replace <dst>/target and <dst>/draft")
+    p.add_argument("--repeats", type=int, default=30, help="timed forward passes per length")
+    p.add_argument("--prompts", type=int, default=24, help="held-out prompts for agreement")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run everything; returns the exit status (1 when the pair is over the size limit)."""
+    import platform
+
+    from mlx_lm import generate, load
+
+    args = parse_args(argv)
+    report = json.loads((args.src / "train_report.json").read_text())
+    dst: Path = args.dst
+    out = {"target": dst / "target", "draft": dst / "draft"}
+    for folder in out.values():
+        if folder.exists():
+            if not args.force:
+                raise SystemExit(f"{folder} exists; pass --force to replace it")
+            shutil.rmtree(folder)
+    dst.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as staging:
+        for name, hf_folder in stage_hf_folders(args.src, Path(staging)).items():
+            convert_one(hf_folder, out[name])
+
+    sizes = {name: folder_bytes(folder) for name, folder in out.items()}
+    sizes["total"] = sizes["target"] + sizes["draft"]
+    print(f"sizes: {sizes} (limit {MAX_TOTAL_BYTES})", flush=True)
+
+    target, tokenizer = load(str(out["target"]))
+    draft, draft_tokenizer = load(str(out["draft"]))
+    if tokenizer.vocab_size != draft_tokenizer.vocab_size:
+        raise SystemExit("target and draft tokenizers differ")
+    for name, model in (("target", target), ("draft", draft)):
+        text = generate(model, tokenizer, prompt="def __init__(self", max_tokens=24)
+        print(f"{name} generates: {text!r}", flush=True)
+
+    vocab = target.args.vocab_size
+    costs = measure_costs({"target": target, "draft": draft}, vocab, args.repeats)
+    for n in COST_LENGTHS:
+        ratio = costs["target"][n] / costs["draft"][n]
+        print(
+            f"{n} tokens: target {costs['target'][n]:.2f} ms, draft {costs['draft'][n]:.2f} ms"
+            f" (x{ratio:.1f})",
+            flush=True,
+        )
+
+    prompts = heldout_prompts(out["target"] / "tokenizer.json", args.prompts, args.prompt_len)
+    matches = agreement_matches(target, draft, prompts, args.new_tokens)
+    positions = sum(len(m) for m in matches)
+    agreement = sum(sum(m) for m in matches) / positions
+    print(f"greedy agreement: {agreement:.3f} over {positions} positions", flush=True)
+    speculation = {}
+    for k in range(1, 5):
+        per_round = tokens_per_round(matches, k)
+        round_ms = k * costs["draft"][1] + costs["target"][k + 1]
+        speculation[k] = {
+            "tokens_per_round": round(per_round, 3),
+            "predicted_speedup": round(per_round * costs["target"][1] / round_ms, 3),
+        }
+        print(f"N={k}: {speculation[k]}", flush=True)
+
+    train_flags = [a for a in report["command"].split()[1:] if not a.startswith(("$", "/"))]
+    if "--out" in train_flags:
+        train_flags.remove("--out")
+    facts = {
+        "train_report": report,
+        "bytes": sizes,
+        "costs_ms": costs,
+        "repeats": args.repeats,
+        "prompts": args.prompts,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "positions": positions,
+        "agreement": agreement,
+        "speculation": speculation,
+        "machine": f"{platform.machine()} CPU, MLX {mx.__version__} ({mx.default_device()})",
+        "train_flags": train_flags,
+    }
+    write_readme(dst, facts)
+    ratio = costs["target"][1] / costs["draft"][1]
+    checks = {
+        f"size {sizes['total']} <= {MAX_TOTAL_BYTES}": sizes["total"] <= MAX_TOTAL_BYTES,
+        f"cost ratio {ratio:.1f} >= {MIN_COST_RATIO}": ratio >= MIN_COST_RATIO,
+        f"agreement {agreement:.3f} >= {MIN_AGREEMENT}": agreement >= MIN_AGREEMENT,
+    }
+    for what, ok in checks.items():
+        print(f"{'ok  ' if ok else 'FAIL'} {what}", flush=True)
+    return 0 if sizes["total"] <= MAX_TOTAL_BYTES else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,789 @@
+"""Train the tiny target/draft pair that ships in ``mlx_spec/demo``.
+
+One command, reproducible (fixed seeds, sorted file order, a fixed held-out split):
+
+1. builds a corpus from text every Python install carries: the documentation in
+   ``pydoc_data.topics`` and the standard library's own ``.py`` sources;
+2. trains a byte-level BPE tokenizer with the ``tokenizers`` library;
+3. trains the target, a Hugging Face ``LlamaForCausalLM``, with AdamW and a cosine schedule,
+   then the draft, distilled from the target (KL to the target's distribution on the same batches);
+4. saves both with ``save_pretrained`` (safetensors, bfloat16) into ``<out>/target`` and
+   ``<out>/draft``; the tokenizer files go into ``<out>/target`` only, since the draft must share
+   them (``scripts/convert_demo_models.py`` copies them beside the converted draft);
+5. prints and writes ``<out>/train_report.json``.
+
+It needs only torch, transformers, tokenizers, safetensors and the standard library. The corpus
+functions import none of them, so the conversion script reuses them for its held-out prompts.
+
+Example (one GPU, about seven minutes)::
+
+    python3 scripts/train_demo_models.py --out /tmp/demo --device cuda --time-budget-s 360
+    python3 scripts/train_demo_models.py --out /tmp/demo-quick --device cpu --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import itertools
+import json
+import math
+import os
+import platform
+import random
+import sys
+import sysconfig
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+EOS_TOKEN = "<|endoftext|>"
+HELDOUT_MODULUS = 20  # a document is held out when md5(name) % 20 == 0, about 5%
+TARGET_SHARE = 2 / 3  # of --time-budget-s; the draft gets the rest
+
+
+@dataclass(frozen=True)
+class Arch:
+    """A llama architecture: sizes that go into ``LlamaConfig``."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that sizes a run; ``FULL`` ships, ``QUICK`` is a smoke test."""
+
+    vocab: int
+    target: Arch
+    draft: Arch
+    seq_len: int
+    batch: int
+    steps_target: int
+    steps_draft: int
+    warmup: int
+    lr_target: float
+    lr_draft: float
+    eval_windows: int
+    eval_every: int
+    prompts: int
+    prompt_len: int
+    new_tokens: int
+    max_train_bytes: int | None
+    max_heldout_bytes: int | None
+
+
+# Sizes measured with MLX on the 2-core CPU, random bfloat16 weights, vocab 4096, 64-token cache:
+# target 11.9 ms for 1 token, 18.3 ms for 3, 37.6 ms for 9; draft 1.0 ms for 1 token.
+# Together 10.1M + 1.2M parameters, 22.7 MB in bfloat16 (the limit is 24 MB).
+FULL = Recipe(
+    vocab=4096,
+    target=Arch(layers=6, hidden=384, intermediate=896, heads=6, kv_heads=2),
+    draft=Arch(layers=1, hidden=192, intermediate=512, heads=3, kv_heads=3),
+    seq_len=512,
+    batch=64,
+    steps_target=20000,
+    steps_draft=20000,
+    warmup=200,
+    lr_target=2e-3,
+    lr_draft=3e-3,
+    eval_windows=128,
+    eval_every=1000,
+    prompts=32,
+    prompt_len=32,
+    new_tokens=64,
+    max_train_bytes=None,
+    max_heldout_bytes=None,
+)
+
+QUICK = Recipe(
+    vocab=512,
+    target=Arch(layers=2, hidden=64, intermediate=128, heads=2, kv_heads=1),
+    draft=Arch(layers=1, hidden=32, intermediate=64, heads=1, kv_heads=1),
+    seq_len=64,
+    batch=8,
+    steps_target=200,
+    steps_draft=150,
+    warmup=10,
+    lr_target=5e-3,
+    lr_draft=5e-3,
+    eval_windows=8,
+    eval_every=50,
+    prompts=4,
+    prompt_len=16,
+    new_tokens=16,
+    max_train_bytes=1_500_000,
+    max_heldout_bytes=200_000,
+)
+
+
+# --- corpus (standard library only) ---------------------------------------------------------
+
+
+def is_heldout(name: str) -> bool:
+    """Whether a document belongs to the held-out split.
+
+    The rule hashes the document's name, so it does not depend on which other files a given
+    Python version has.
+
+    Args:
+        name (str): the document name, e.g. ``"stdlib/json/decoder.py"``.
+
+    Returns:
+        bool: ``True`` for about one document in ``HELDOUT_MODULUS``.
+    """
+    return int(hashlib.md5(name.encode()).hexdigest(), 16) % HELDOUT_MODULUS == 0
+
+
+def iter_documents() -> Iterator[tuple[str, str]]:
+    """Yield ``(name, text)`` for every corpus document in a fixed order.
+
+    First the ``pydoc_data.topics`` entries (sorted by topic), then every ``.py`` file of the
+    standard library (sorted by relative path; site-packages, dist-packages and caches are
+    skipped, as are files that are not UTF-8). A text already yielded under another name is
+    skipped, so no text is in both splits.
+
+    Yields:
+        tuple[str, str]: the document name and its text.
+    """
+    import pydoc_data.topics
+
+    docs = ((f"pydoc/{k}", pydoc_data.topics.topics[k]) for k in sorted(pydoc_data.topics.topics))
+    seen: set[str] = set()
+    for name, text in itertools.chain(docs, _stdlib_sources()):
+        digest = hashlib.md5(text.encode()).hexdigest()
+        if digest not in seen:
+            seen.add(digest)
+            yield name, text
+
+
+def _stdlib_sources() -> Iterator[tuple[str, str]]:
+    """Yield ``(name, text)`` for the standard library's ``.py`` files, sorted by path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    paths = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in skip]
+        paths += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
+    for path in sorted(paths, key=lambda p: p.relative_to(root).as_posix()):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if text.strip():
+            yield f"stdlib/{path.relative_to(root).as_posix()}", text
+
+
+def build_corpus(
+    max_train_bytes: int | None = None, max_heldout_bytes: int | None = None
+) -> tuple[list[str], list[str]]:
+    """Split the corpus into training and held-out texts.
+
+    Args:
+        max_train_bytes (int, optional): stop adding training documents past this many UTF-8
+            bytes. Default: no limit.
+        max_heldout_bytes (int, optional): the same for held-out documents. Default: no limit.
+
+    Returns:
+        tuple[list[str], list[str]]: training texts and held-out texts, in corpus order.
+    """
+    train: list[str] = []
+    heldout: list[str] = []
+    sizes = {"train": 0, "heldout": 0}
+    for name, text in iter_documents():
+        split, docs, cap = (
+            ("heldout", heldout, max_heldout_bytes)
+            if is_heldout(name)
+            else ("train", train, max_train_bytes)
+        )
+        if cap is not None and sizes[split] >= cap:
+            continue
+        docs.append(text)
+        sizes[split] += len(text.encode())
+    return train, heldout
+
+
+# --- tokenizer ------------------------------------------------------------------------------
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
+    """Train a byte-level BPE tokenizer with one special token, ``EOS_TOKEN`` (id 0).
+
+    Args:
+        texts (list[str]): training texts.
+        vocab_size (int): size of the vocabulary, the special token and 256 bytes included.
+
+    Returns:
+        tokenizers.Tokenizer: the trained tokenizer.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def save_tokenizer(tok: Any, folder: Path, max_length: int) -> None:
+    """Save ``tok`` so that ``AutoTokenizer`` and ``mlx_lm.load`` read it offline.
+
+    Writes ``tokenizer.json`` and a ``tokenizer_config.json`` naming the class
+    ``PreTrainedTokenizerFast``, which transformers 4 and 5 both load (``save_pretrained`` in
+    transformers 5 names a class that 4 lacks). bos = eos = unk = pad = ``EOS_TOKEN``, and
+    encoding adds no token to a prompt.
+
+    Args:
+        tok (tokenizers.Tokenizer): the trained tokenizer.
+        folder (Path): destination folder; created if missing.
+        max_length (int): the context length written as ``model_max_length``.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": EOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "unk_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def encode_stream(tok: Any, texts: list[str]) -> list[int]:
+    """Encode texts into one token stream, each document followed by the EOS id.
+
+    Args:
+        tok (tokenizers.Tokenizer): the tokenizer.
+        texts (list[str]): documents.
+
+    Returns:
+        list[int]: the concatenated token ids.
+    """
+    eos = tok.token_to_id(EOS_TOKEN)
+    stream: list[int] = []
+    for enc in tok.encode_batch(texts, add_special_tokens=False):
+        stream += enc.ids
+        stream.append(eos)
+    return stream
+
+
+# --- models ---------------------------------------------------------------------------------
+
+
+def make_config(arch: Arch, vocab: int, eos_id: int, max_positions: int) -> Any:
+    """A ``LlamaConfig`` for ``arch`` with tied embeddings and no biases.
+
+    Args:
+        arch (Arch): the sizes.
+        vocab (int): vocabulary size.
+        eos_id (int): id of ``EOS_TOKEN`` (also bos and pad).
+        max_positions (int): ``max_position_embeddings``.
+
+    Returns:
+        transformers.LlamaConfig: the configuration.
+    """
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=arch.hidden,
+        intermediate_size=arch.intermediate,
+        num_hidden_layers=arch.layers,
+        num_attention_heads=arch.heads,
+        num_key_value_heads=arch.kv_heads,
+        head_dim=arch.hidden // arch.heads,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-5,  # rope_theta stays at 10000, the default of transformers and mlx-lm
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+    )
+
+
+def count_params(model: Any) -> int:
+    """Number of distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def lr_at(step: int, total: int, warmup: int, peak: float) -> float:
+    """Linear warm-up to ``peak``, then cosine decay to ``peak / 10`` at ``total``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    frac = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * frac)))
+
+
+def make_optimizer(model: Any, lr: float, fused: bool) -> Any:
+    """AdamW with weight decay 0.1 on matrices only (norm weights are not decayed)."""
+    import torch
+
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    other = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+
+
+def sample_batch(data: Any, batch: int, seq_len: int, gen: Any) -> Any:
+    """Random windows of ``seq_len + 1`` tokens.
+
+    Args:
+        data (torch.Tensor): ``[T]`` int64 token stream, on the training device.
+        batch (int): number of windows.
+        seq_len (int): tokens fed to the model per window.
+        gen (torch.Generator): a CPU generator; the windows depend only on it.
+
+    Returns:
+        torch.Tensor: ``[batch, seq_len + 1]`` int64 on ``data``'s device.
+    """
+    import torch
+
+    starts = torch.randint(0, data.numel() - seq_len - 1, (batch,), generator=gen)
+    offsets = starts[:, None] + torch.arange(seq_len + 1)[None, :]
+    return data[offsets.to(data.device)]
+
+
+def fixed_windows(data: Any, count: int, seq_len: int) -> Any:
+    """``count`` evenly spaced windows of ``seq_len + 1`` tokens (the evaluation set).
+
+    Args:
+        data (torch.Tensor): ``[T]`` int64 token stream.
+        count (int): number of windows wanted; fewer when the stream is short.
+        seq_len (int): tokens fed to the model per window.
+
+    Returns:
+        torch.Tensor: ``[n, seq_len + 1]`` int64 on ``data``'s device, ``n <= count``.
+    """
+    import torch
+
+    n = max(1, min(count, (data.numel() - 1) // (seq_len + 1)))
+    stride = (data.numel() - seq_len - 1) // n
+    starts = torch.arange(n) * stride
+    offsets = starts[:, None] + torch.arange(seq_len + 1)[None, :]
+    return data[offsets.to(data.device)]
+
+
+@dataclass
+class RunInfo:
+    """What one training run did; goes into the report."""
+
+    params: int
+    planned_steps: int
+    steps: int
+    tokens_seen: int
+    seconds: float
+    steps_per_s: float
+    final_train_loss: float
+    stopped_by_budget: bool
+
+
+class Trainer:
+    """Shared machinery for the two training runs: device, autocast, logging, time budget."""
+
+    def __init__(self, recipe: Recipe, device: str, seed: int, start: float) -> None:
+        import torch
+
+        self.recipe = recipe
+        self.device = device
+        self.seed = seed
+        self.start = start
+        self.autocast = (
+            (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+            if device == "cuda"
+            else contextlib.nullcontext
+        )
+
+    def log(self, msg: str) -> None:
+        """Print one progress line with the elapsed wall time."""
+        print(f"[{time.time() - self.start:7.1f}s] {msg}", flush=True)
+
+    def sync(self) -> None:
+        """Wait for queued device work (for honest timings)."""
+        import torch
+
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def logits(self, model: Any, x: Any) -> Any:
+        """``[B, T, V]`` float32 logits of ``model`` for ``[B, T]`` int64 ids ``x``."""
+        with self.autocast():
+            return model(input_ids=x, use_cache=False).logits.float()
+
+    def train(
+        self,
+        name: str,
+        model: Any,
+        data: Any,
+        steps: int,
+        peak_lr: float,
+        budget_s: float | None,
+        loss_fn: Any,
+        heldout_fn: Any,
+        seed_offset: int,
+    ) -> RunInfo:
+        """Train ``model`` on random windows of ``data``.
+
+        With a time budget, the step count is fixed once, after 20 timed steps inside the
+        warm-up, to what fits the budget (never more than ``steps``); the schedule then runs
+        to that count, so ``--steps-*`` with the reported count reproduces the run. Training
+        also stops if the budget runs out anyway (``stopped_by_budget``).
+
+        Args:
+            name (str): label for the log lines.
+            model (torch.nn.Module): the model, on the device, float32 weights.
+            data (torch.Tensor): ``[T]`` int64 training stream.
+            steps (int): the most steps to run.
+            peak_lr (float): peak learning rate.
+            budget_s (float, optional): seconds this run may take. Default: none.
+            loss_fn (callable): ``loss_fn(model, batch) -> scalar tensor`` for a
+                ``[B, S + 1]`` batch.
+            heldout_fn (callable): ``heldout_fn() -> float``, logged every ``eval_every``.
+            seed_offset (int): makes this run's batch stream differ from the other's.
+
+        Returns:
+            RunInfo: steps run, timings and the mean training loss of the last steps.
+        """
+        import torch
+
+        r = self.recipe
+        gen = torch.Generator().manual_seed(self.seed + seed_offset)
+        opt = make_optimizer(model, peak_lr, fused=self.device == "cuda")
+        model.train()
+        total = steps
+        calib_from, calib_to = min(5, r.warmup), min(25, r.warmup)
+        recent: list[Any] = []
+        last_losses: list[float] = []
+        stopped = False
+        self.sync()
+        t0 = time.time()
+        t_calib = t0
+        step = 0
+        while step < total:
+            lr = lr_at(step, total, r.warmup, peak_lr)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            loss = loss_fn(model, sample_batch(data, r.batch, r.seq_len, gen))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            recent.append(loss.detach())
+            step += 1
+            if budget_s is not None and step == calib_from:
+                self.sync()
+                t_calib = time.time()
+            if budget_s is not None and step == calib_to and calib_to > calib_from:
+                self.sync()
+                per_step = (time.time() - t_calib) / (calib_to - calib_from)
+                left = budget_s - (time.time() - t0)
+                total = max(step, min(steps, step + int(0.97 * left / per_step)))
+                self.log(f"{name}: {per_step * 1e3:.1f} ms/step, planning {total} steps")
+            if step in (1, calib_to) or step % max(1, r.eval_every // 10) == 0 or step == total:
+                mean = torch.stack(recent).mean().item()
+                last_losses = [*last_losses[-9:], mean]
+                recent = []
+                rate = step * r.batch * r.seq_len / max(1e-9, time.time() - t0)
+                self.log(
+                    f"{name} step {step}/{total} loss {mean:.4f} lr {lr:.2e} {rate:,.0f} tok/s"
+                )
+            if step % r.eval_every == 0 and step < total:
+                self.log(f"{name} step {step}: held-out loss {heldout_fn():.4f}")
+                model.train()
+            if budget_s is not None and time.time() - t0 > budget_s and step < total:
+                self.log(f"{name}: time budget spent at step {step} of {total}")
+                stopped = True
+                break
+        self.sync()
+        seconds = time.time() - t0
+        if recent:
+            last_losses.append(torch.stack(recent).mean().item())
+        model.eval()
+        return RunInfo(
+            params=count_params(model),
+            planned_steps=total,
+            steps=step,
+            tokens_seen=step * r.batch * r.seq_len,
+            seconds=round(seconds, 2),
+            steps_per_s=round(step / seconds, 3),
+            final_train_loss=round(sum(last_losses[-3:]) / len(last_losses[-3:]), 4),
+            stopped_by_budget=stopped,
+        )
+
+
+def mean_over_windows(windows: Any, batch: int, fn: Any) -> float:
+    """Mean of ``fn(chunk)`` over ``windows`` in chunks of ``batch``, weighted by size."""
+    total, n = 0.0, 0
+    for i in range(0, windows.shape[0], batch):
+        chunk = windows[i : i + batch]
+        total += float(fn(chunk)) * chunk.shape[0]
+        n += chunk.shape[0]
+    return total / n
+
+
+def greedy_continue(trainer: Trainer, model: Any, prompts: Any, new_tokens: int) -> Any:
+    """Greedy continuation without a cache (the models are tiny).
+
+    Args:
+        trainer (Trainer): for the device and autocast.
+        model (torch.nn.Module): the model.
+        prompts (torch.Tensor): ``[B, P]`` int64 prompt ids.
+        new_tokens (int): tokens to add.
+
+    Returns:
+        torch.Tensor: ``[B, P + new_tokens]`` int64.
+    """
+    import torch
+
+    seq = prompts
+    for _ in range(new_tokens):
+        nxt = trainer.logits(model, seq)[:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], dim=1)
+    return seq
+
+
+def folder_bytes(folder: Path) -> int:
+    """Total size of the files in ``folder``."""
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+
+
+def save_model(model: Any, folder: Path) -> None:
+    """``save_pretrained`` in bfloat16 safetensors; keeps config.json and model.safetensors."""
+    import torch
+
+    model.to(torch.bfloat16).save_pretrained(str(folder), safe_serialization=True)
+    (folder / "generation_config.json").unlink(missing_ok=True)
+
+
+# --- the run --------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="output folder (created)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--steps-target", type=int, default=None, help="most target steps")
+    p.add_argument("--steps-draft", type=int, default=None, help="most draft steps")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, few steps (smoke test)")
+    p.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=None,
+        help="training seconds for both models: 2/3 target, 1/3 draft (setup not counted)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run everything; returns the report that is also written to ``train_report.json``."""
+    start = time.time()
+    args = parse_args(argv)
+    import tokenizers
+    import torch
+    import torch.nn.functional as F
+    import transformers
+    from transformers import LlamaForCausalLM
+
+    r = QUICK if args.quick else FULL
+    device = (
+        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    )
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    torch.set_float32_matmul_precision("high")
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    trainer = Trainer(r, device, args.seed, start)
+    log = trainer.log
+    out: Path = args.out
+    target_dir, draft_dir = out / "target", out / "draft"
+    target_dir.mkdir(parents=True, exist_ok=True)
+    draft_dir.mkdir(parents=True, exist_ok=True)
+    log(f"device {device}, torch {torch.__version__}, transformers {transformers.__version__}")
+
+    train_texts, heldout_texts = build_corpus(r.max_train_bytes, r.max_heldout_bytes)
+    train_bytes = sum(len(t.encode()) for t in train_texts)
+    heldout_bytes = sum(len(t.encode()) for t in heldout_texts)
+    log(
+        f"corpus: {len(train_texts)} train docs ({train_bytes / 1e6:.1f} MB), "
+        f"{len(heldout_texts)} held-out docs ({heldout_bytes / 1e6:.2f} MB)"
+    )
+    t = time.time()
+    tok = train_tokenizer(train_texts, r.vocab)
+    tok_seconds = time.time() - t
+    eos_id = tok.token_to_id(EOS_TOKEN)
+    save_tokenizer(tok, target_dir, 4 * r.seq_len)
+    train_ids = encode_stream(tok, train_texts)
+    heldout_ids = encode_stream(tok, heldout_texts)
+    log(
+        f"tokenizer: vocab {tok.get_vocab_size()} in {tok_seconds:.1f}s; "
+        f"{len(train_ids):,} train tokens, {len(heldout_ids):,} held-out tokens"
+    )
+    train_data = torch.tensor(train_ids, dtype=torch.long, device=device)
+    heldout_data = torch.tensor(heldout_ids, dtype=torch.long, device=device)
+    heldout_windows = fixed_windows(heldout_data, r.eval_windows, r.seq_len)
+    train_windows = fixed_windows(train_data, r.eval_windows, r.seq_len)
+    eval_batch = r.batch
+
+    def ce(model: Any, w: Any) -> Any:
+        logits = trainer.logits(model, w[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten())
+
+    @torch.no_grad()
+    def eval_ce(model: Any, windows: Any) -> float:
+        model.eval()
+        return mean_over_windows(windows, eval_batch, lambda w: ce(model, w))
+
+    budget = args.time_budget_s
+    torch.manual_seed(args.seed)
+    target = LlamaForCausalLM(make_config(r.target, r.vocab, eos_id, 4 * r.seq_len)).to(device)
+    log(f"target: {r.target}, {count_params(target):,} parameters")
+    target_run = trainer.train(
+        "target",
+        target,
+        train_data,
+        args.steps_target or r.steps_target,
+        r.lr_target,
+        None if budget is None else TARGET_SHARE * budget,
+        ce,
+        lambda: eval_ce(target, heldout_windows),
+        seed_offset=1,
+    )
+    target_heldout = eval_ce(target, heldout_windows)
+    target_train_eval = eval_ce(target, train_windows)
+    log(f"target done: train loss {target_run.final_train_loss}, held-out {target_heldout:.4f}")
+    for p in target.parameters():
+        p.requires_grad_(False)
+
+    def distil(draft: Any, w: Any) -> Any:
+        x = w[:, :-1]
+        with torch.no_grad():
+            teacher = F.log_softmax(trainer.logits(target, x), dim=-1).flatten(0, 1)
+        student = F.log_softmax(trainer.logits(draft, x), dim=-1).flatten(0, 1)
+        return F.kl_div(student, teacher, log_target=True, reduction="batchmean")
+
+    @torch.no_grad()
+    def eval_kl(draft: Any, windows: Any) -> float:
+        draft.eval()
+        return mean_over_windows(windows, eval_batch, lambda w: distil(draft, w))
+
+    torch.manual_seed(args.seed + 1)
+    draft = LlamaForCausalLM(make_config(r.draft, r.vocab, eos_id, 4 * r.seq_len)).to(device)
+    log(f"draft: {r.draft}, {count_params(draft):,} parameters")
+    draft_run = trainer.train(
+        "draft",
+        draft,
+        train_data,
+        args.steps_draft or r.steps_draft,
+        r.lr_draft,
+        None if budget is None else budget - target_run.seconds,
+        distil,
+        lambda: eval_kl(draft, heldout_windows),
+        seed_offset=2,
+    )
+    draft_heldout = eval_ce(draft, heldout_windows)
+    draft_heldout_kl = eval_kl(draft, heldout_windows)
+    log(f"draft done: train KL {draft_run.final_train_loss}, held-out KL {draft_heldout_kl:.4f}")
+
+    # Agreement is measured on the bfloat16 weights that ship.
+    target.to(torch.bfloat16)
+    draft.to(torch.bfloat16)
+
+    @torch.no_grad()
+    def agreement(seq: Any, first: int) -> tuple[float, int]:
+        a = trainer.logits(target, seq[:, :-1])[:, first:].argmax(-1)
+        b = trainer.logits(draft, seq[:, :-1])[:, first:].argmax(-1)
+        return (a == b).float().mean().item(), a.numel()
+
+    text_agree, text_n = agreement(heldout_windows, 0)
+    prompts = fixed_windows(heldout_data, r.prompts, r.prompt_len - 1)
+    with torch.no_grad():
+        continued = greedy_continue(trainer, target, prompts, r.new_tokens)
+    greedy_agree, greedy_n = agreement(continued, r.prompt_len - 1)
+    log(
+        f"draft/target argmax agreement: {text_agree:.3f} on held-out text ({text_n} positions), "
+        f"{greedy_agree:.3f} on the target's greedy continuations ({greedy_n} positions)"
+    )
+    log(f"sample: {tok.decode(continued[0].tolist())!r}")
+
+    save_model(target, target_dir)
+    save_model(draft, draft_dir)
+    sizes = {
+        "target_model_bytes": (target_dir / "model.safetensors").stat().st_size,
+        "draft_model_bytes": (draft_dir / "model.safetensors").stat().st_size,
+        "target_folder_bytes": folder_bytes(target_dir),
+        "draft_folder_bytes": folder_bytes(draft_dir),
+    }
+    sizes["models_total_bytes"] = sizes["target_model_bytes"] + sizes["draft_model_bytes"]
+    sizes["folders_total_bytes"] = sizes["target_folder_bytes"] + sizes["draft_folder_bytes"]
+
+    report = {
+        "command": " ".join(
+            [Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "quick": args.quick,
+        "seed": args.seed,
+        "device": device,
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__,
+        },
+        "corpus": {
+            "train_docs": len(train_texts),
+            "heldout_docs": len(heldout_texts),
+            "train_bytes": train_bytes,
+            "heldout_bytes": heldout_bytes,
+            "train_tokens": len(train_ids),
+            "heldout_tokens": len(heldout_ids),
+            "heldout_rule": f"md5(name) % {HELDOUT_MODULUS} == 0",
+        },
+        "tokenizer": {"vocab_size": tok.get_vocab_size(), "eos": EOS_TOKEN, "eos_id": eos_id},
+        "recipe": asdict(r),
+        "target": {
+            **asdict(target_run),
+            "train_loss_fixed_windows": round(target_train_eval, 4),
+            "heldout_loss": round(target_heldout, 4),
+        },
+        "draft": {
+            **asdict(draft_run),
+            "final_train_loss_is": "KL(target || draft), nats per token",
+            "heldout_kl": round(draft_heldout_kl, 4),
+            "heldout_loss": round(draft_heldout, 4),
+        },
+        "agreement": {
+            "heldout_text": round(text_agree, 4),
+            "heldout_text_positions": text_n,
+            "target_greedy": round(greedy_agree, 4),
+            "target_greedy_positions": greedy_n,
+        },
+        "sizes": sizes,
+        "wall_seconds": round(time.time() - start, 1),
+    }
+    (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2), flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()
