@@ -229,6 +229,8 @@ class _Speculation:
                     rows.append(q)
                 else:
                     token = self.sampler(logprobs).astype(mx.uint32)
+            # Start computing while the next step's graph is built (not a host read).
+            mx.async_eval(token)
             drafts.append(token)
             pending = token
         draft = mx.concatenate(drafts) if drafts else mx.array([], dtype=mx.uint32)
