@@ -55,8 +55,23 @@ def _on_cpu(stream: StreamOrDevice) -> bool:
 
 
 def _is_eos(tokens: mx.array, eos: mx.array) -> mx.array:
-    """``[n]`` bool: whether each of ``tokens`` (``[n]`` uint32) is one of ``eos`` (``[E]``)."""
-    return (tokens[:, None] == eos.astype(mx.uint32)[None, :]).any(axis=-1)
+    """``[...]`` bool: whether each of ``tokens`` (``[...]`` uint32) is one of ``eos`` (``[E]``)."""
+    return (tokens[..., None] == _uint32(eos)).any(axis=-1)
+
+
+def _iota(n: int, offset: int = 0) -> mx.array:
+    """``[n]`` uint32 ``offset, offset + 1, ...`` as a constant: ``mx.arange`` would be a kernel."""
+    return mx.array(np.arange(offset, offset + n, dtype=np.uint32))
+
+
+def _uint32(ids: mx.array) -> mx.array:
+    return ids if ids.dtype == mx.uint32 else ids.astype(mx.uint32)
+
+
+def _first(flags: mx.array, default: int) -> mx.array:
+    """``[]`` uint32: the index of the first true in ``flags`` (``[n]`` bool), else ``default``."""
+    positions = _iota(flags.shape[0])
+    return mx.where(flags, positions, default).min()
 
 
 def _accepted(ok: mx.array, draft: mx.array, eos: mx.array | None) -> tuple[mx.array, mx.array]:
@@ -71,30 +86,24 @@ def _accepted(ok: mx.array, draft: mx.array, eos: mx.array | None) -> tuple[mx.a
         tuple[array, array]: ``[]`` uint32, the longest prefix of passing tokens cut right after
         its first EOS; ``[]`` bool, whether that prefix holds an EOS.
     """
-    if draft.shape[0] == 0:
+    n = draft.shape[0]
+    if n == 0:
         return mx.array(0, mx.uint32), mx.array(False)
-    accepted = mx.cumprod(ok.astype(mx.uint32)).sum()
+    accepted = _first(~ok, n)
     if eos is None:
         return accepted, mx.array(False)
-    # The index of the first EOS in the draft (N if none): the prefix stops right after it.
-    first_eos = mx.cumprod((~_is_eos(draft, eos)).astype(mx.uint32)).sum()
+    first_eos = _first(_is_eos(draft, eos), n)
     accepted = mx.minimum(accepted, first_eos + 1)
     return accepted, first_eos < accepted
 
 
 def _result(
-    accepted: mx.array,
-    eos_in_draft: mx.array,
-    token: mx.array,
-    invalid: mx.array,
-    eos: mx.array | None,
+    accepted: mx.array, eos_in_draft: mx.array, token: mx.array, eos: mx.array | None
 ) -> mx.array:
-    """``[3]`` uint32 ``[accepted, next, eos_hit]``; an invalid deciding row marks ``next``."""
-    eos_hit = (
-        eos_in_draft if eos is None else mx.logical_or(eos_in_draft, _is_eos(token[None], eos)[0])
-    )
-    token = mx.where(invalid, accepted + INVALID_ROW, token)
-    return mx.stack([accepted, token, eos_hit.astype(mx.uint32)]).astype(mx.uint32)
+    """``[3]`` uint32 ``[accepted, next, eos_hit]``, assembled without a concatenation."""
+    eos_hit = eos_in_draft if eos is None else mx.logical_or(eos_in_draft, _is_eos(token, eos))
+    which = _iota(3)
+    return mx.where(which == 0, accepted, mx.where(which == 1, token, eos_hit.astype(mx.uint32)))
 
 
 def accept_greedy(
@@ -145,11 +154,14 @@ def _greedy_graph(on_cpu: bool) -> Callable[..., mx.array]:
         choice = mx.argmax(rows, axis=-1)
         # argmax returns the index of a NaN when the row has one: one gather per row finds them.
         invalid = mx.isnan(mx.take_along_axis(rows, choice[:, None], axis=-1)[:, 0])
-        draft = draft.astype(mx.uint32)
-        ok = mx.logical_and(draft == choice[: draft.shape[0]], ~invalid[: draft.shape[0]])
+        n = draft.shape[0]
+        draft = _uint32(draft)
+        ok = mx.logical_and(draft == choice[:n], ~invalid[:n])
+        # `next` for every accepted count: the argmax, or the position of an invalid row, flagged.
+        flagged = _iota(n + 1, INVALID_ROW)
+        candidates = mx.where(invalid, flagged, choice)
         accepted, eos_in_draft = _accepted(ok, draft, eos)
-        token, bad = mx.take(choice, accepted), mx.take(invalid, accepted)
-        return _result(accepted, eos_in_draft, token, bad, eos)
+        return _result(accepted, eos_in_draft, mx.take(candidates, accepted), eos)
 
     return mx.compile(greedy)
 
@@ -205,7 +217,7 @@ def _draw_residual(
         if q is not None:
             return mx.maximum(block - mx.take(q, b, axis=0), 0.0)
         if removed is not None:
-            hit = mx.logical_and(mx.arange(k, dtype=mx.uint32) == removed % k, b == removed // k)
+            hit = mx.logical_and(_iota(k) == removed % k, b == removed // k)
             return mx.where(hit, 0.0, block)
         return block
 
@@ -215,7 +227,7 @@ def _draw_residual(
         # Only the removed token's block changes: sum it again without that token.
         own = removed // k
         own_sum = residual_block(mx.minimum(own, blocks - 1)).sum()
-        r_sums = mx.where(mx.arange(blocks, dtype=mx.uint32) == own, own_sum, p_sums)
+        r_sums = mx.where(_iota(blocks) == own, own_sum, p_sums)
     else:
         r_sums = p_sums
     use_p = ~(r_sums.sum() > 0)
@@ -292,7 +304,7 @@ def _sampled_graph(
     """The compiled sampled graph (traced once per shape and set of optional inputs)."""
     n, v = draft.shape[0], probs.shape[1]
     accept_key, next_key = mx.random.split(key)
-    draft = draft.astype(mx.uint32)
+    draft = _uint32(draft)
     safe = mx.minimum(draft, v - 1)[:, None]
     p_draft = mx.take_along_axis(probs[:n], safe, axis=-1)[:, 0].astype(mx.float32)
     u = mx.random.uniform(shape=(n,), key=accept_key)
@@ -307,7 +319,8 @@ def _sampled_graph(
         # The residual drops the draft token, so a NaN there is caught here, not by the draw.
         nan_draft = mx.isnan(mx.take(p_draft, mx.minimum(accepted, n - 1)))
         bad = mx.logical_or(bad, mx.logical_and(accepted < n, nan_draft))
-    return _result(accepted, eos_in_draft, token, bad, eos)
+    token = mx.where(bad, accepted + INVALID_ROW, token)
+    return _result(accepted, eos_in_draft, token, eos)
 
 
 def _next_token(
