@@ -60,7 +60,7 @@ __all__ = [
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
-StreamLike = mx.Stream | mx.Device | Any
+StreamLike = mx.Stream | mx.ThreadLocalStream | mx.Device
 
 # mlx-lm's functions, as they were when this module was imported.
 _LM_SPECULATIVE_STEP = _lm_generate.speculative_generate_step
@@ -158,7 +158,6 @@ class _Speculation:
         self.sampler = sampler
         self.mode = mode
         self.processors = list(logits_processors)
-        self.eos = eos
         self.eos_set = set(eos)
         self.eos_array = mx.array(eos, dtype=mx.uint32) if eos else None
         self.key = key
