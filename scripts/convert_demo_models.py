@@ -5,7 +5,7 @@ files, ``draft/``, ``train_report.json``) and:
 
 1. converts both with ``mlx_lm.convert`` from the local folders (offline, bfloat16, no
    quantization) into ``<dst>/target`` and ``<dst>/draft``, the draft getting the target's
-   tokenizer files;
+   tokenizer files (and sharded weights their index back);
 2. checks that everything shipped weighs at most 24 MB together;
 3. loads both with ``mlx_lm.load`` and generates a few greedy tokens with each;
 4. measures the forward cost of 1 to 5 and 9 tokens (64 tokens in the cache) of each model,
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -72,8 +73,31 @@ def stage_hf_folders(src: Path, staging: Path) -> dict[str, Path]:
         for f in TOKENIZER_FILES:
             if not (folder / f).exists():
                 shutil.copy(src / "target" / f, folder / f)
+        write_shard_index(folder)
         folders[name] = folder
     return folders
+
+
+def write_shard_index(folder: Path) -> None:
+    """Write ``model.safetensors.index.json`` for sharded weights that lack one.
+
+    The training script drops the index to return fewer files; Hugging Face loaders need it.
+
+    Args:
+        folder (Path): a folder with ``model-XXXXX-of-YYYYY.safetensors`` files.
+    """
+    from safetensors import safe_open
+
+    shards = sorted(folder.glob("model-*-of-*.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    if not shards or index.exists():
+        return
+    weight_map = {}
+    for shard in shards:
+        with safe_open(str(shard), framework="numpy") as f:
+            weight_map.update(dict.fromkeys(f.keys(), shard.name))
+    total = sum(s.stat().st_size for s in shards)
+    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
 
 
 def convert_one(hf_folder: Path, mlx_folder: Path) -> None:
@@ -414,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         "positions": positions,
         "agreement": agreement,
         "speculation": speculation,
-        "machine": f"{platform.machine()} CPU, MLX {mx.__version__} ({mx.default_device()})",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, MLX {mx.__version__}",
         "train_flags": train_flags,
     }
     write_readme(dst, facts)

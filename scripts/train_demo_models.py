@@ -7,9 +7,11 @@ One command, reproducible (fixed seeds, sorted file order, a fixed held-out spli
 2. trains a byte-level BPE tokenizer with the ``tokenizers`` library;
 3. trains the target, a Hugging Face ``LlamaForCausalLM``, with AdamW and a cosine schedule,
    then the draft, distilled from the target (KL to the target's distribution on the same batches);
-4. saves both with ``save_pretrained`` (safetensors, bfloat16) into ``<out>/target`` and
-   ``<out>/draft``; the tokenizer files go into ``<out>/target`` only, since the draft must share
-   them (``scripts/convert_demo_models.py`` copies them beside the converted draft);
+4. saves both with ``save_pretrained`` (safetensors, bfloat16, shards of at most 15 MiB
+   without the shard index) into ``<out>/target`` and ``<out>/draft``; the tokenizer files go
+   into ``<out>/target`` only, since the draft must share them
+   (``scripts/convert_demo_models.py`` copies them beside the converted draft and writes the
+   shard index back). With the shipped sizes that is 8 files in all;
 5. prints and writes ``<out>/train_report.json``.
 
 It needs only torch, transformers, tokenizers, safetensors and the standard library. The corpus
@@ -88,8 +90,8 @@ FULL = Recipe(
     draft=Arch(layers=1, hidden=192, intermediate=512, heads=3, kv_heads=3),
     seq_len=512,
     batch=64,
-    steps_target=20000,
-    steps_draft=20000,
+    steps_target=8000,  # about 29 passes over the 9.1M training tokens
+    steps_draft=8000,
     warmup=200,
     lr_target=2e-3,
     lr_draft=3e-3,
@@ -562,12 +564,32 @@ def folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
 
 
-def save_model(model: Any, folder: Path) -> None:
-    """``save_pretrained`` in bfloat16 safetensors; keeps config.json and model.safetensors."""
+def save_model(model: Any, folder: Path, max_shard_bytes: int) -> None:
+    """``save_pretrained`` a bfloat16 copy of ``model`` as safetensors.
+
+    Keeps ``config.json`` and the weights, in shards of at most ``max_shard_bytes`` (the GPU
+    machine returns files of at most 16 MiB). The shard index is dropped to keep the output to
+    few files: ``mlx_lm.load`` finds ``model*.safetensors`` without it, and
+    ``scripts/convert_demo_models.py`` writes it back before converting.
+
+    Args:
+        model (torch.nn.Module): the trained model.
+        folder (Path): destination folder.
+        max_shard_bytes (int): largest weight file.
+    """
+    import copy
+
     import torch
 
-    model.to(torch.bfloat16).save_pretrained(str(folder), safe_serialization=True)
-    (folder / "generation_config.json").unlink(missing_ok=True)
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    bf16.save_pretrained(str(folder), max_shard_size=max_shard_bytes)
+    for extra in ("generation_config.json", "model.safetensors.index.json"):
+        (folder / extra).unlink(missing_ok=True)
+
+
+def weights_bytes(folder: Path) -> int:
+    """Total size of the ``model*.safetensors`` files in ``folder``."""
+    return sum(p.stat().st_size for p in folder.glob("model*.safetensors"))
 
 
 # --- the run --------------------------------------------------------------------------------
@@ -586,6 +608,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=None,
         help="training seconds for both models: 2/3 target, 1/3 draft (setup not counted)",
+    )
+    p.add_argument(
+        "--max-shard-mb",
+        type=float,
+        default=15.0,
+        help="largest weight file in MiB (default 15: the GPU machine returns files <= 16 MiB)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
@@ -670,6 +698,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     target_heldout = eval_ce(target, heldout_windows)
     target_train_eval = eval_ce(target, train_windows)
     log(f"target done: train loss {target_run.final_train_loss}, held-out {target_heldout:.4f}")
+    save_model(target, target_dir, int(args.max_shard_mb * 2**20))
     for p in target.parameters():
         p.requires_grad_(False)
 
@@ -724,11 +753,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     log(f"sample: {tok.decode(continued[0].tolist())!r}")
 
-    save_model(target, target_dir)
-    save_model(draft, draft_dir)
+    save_model(draft, draft_dir, int(args.max_shard_mb * 2**20))
     sizes = {
-        "target_model_bytes": (target_dir / "model.safetensors").stat().st_size,
-        "draft_model_bytes": (draft_dir / "model.safetensors").stat().st_size,
+        "target_model_bytes": weights_bytes(target_dir),
+        "draft_model_bytes": weights_bytes(draft_dir),
         "target_folder_bytes": folder_bytes(target_dir),
         "draft_folder_bytes": folder_bytes(draft_dir),
     }

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -70,7 +71,8 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("demo") / "trained"
     env = {**os.environ, "RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, str(SCRIPTS / "train_demo_models.py"), "--out", str(out)]
-    cmd += ["--quick", "--device", "cpu", "--threads", "1"]
+    # Shards of 0.1 MiB: the target's 0.2 MB of weights take several files, like the real run's.
+    cmd += ["--quick", "--device", "cpu", "--threads", "1", "--max-shard-mb", "0.1"]
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
     return out
 
@@ -79,15 +81,30 @@ def test_quick_run_writes_models_tokenizer_and_report(quick_run: Path):
     report = json.loads((quick_run / "train_report.json").read_text())
     for name in ("target", "draft"):
         assert (quick_run / name / "config.json").is_file()
-        assert (quick_run / name / "model.safetensors").is_file()
+        assert list((quick_run / name).glob("model*.safetensors"))
+        assert not (quick_run / name / "model.safetensors.index.json").exists()
         assert report[name]["steps"] > 0
+    assert len(list((quick_run / "target").glob("model-*-of-*.safetensors"))) > 1
+    # Nothing else: the GPU machine returns at most 8 files (3 shards here, 2 in the real run).
+    others = {
+        p.relative_to(quick_run).as_posix()
+        for p in quick_run.rglob("*")
+        if p.is_file() and not p.name.startswith("model")
+    }
+    assert others == {
+        "train_report.json",
+        "target/config.json",
+        "target/tokenizer.json",
+        "target/tokenizer_config.json",
+        "draft/config.json",
+    }
     assert (quick_run / "target" / "tokenizer.json").is_file()
     vocab = report["tokenizer"]["vocab_size"]
     # The target learned something: below the loss of a uniform guess.
     assert report["target"]["heldout_loss"] < math.log(vocab) - 0.5
     assert 0.0 <= report["agreement"]["heldout_text"] <= 1.0
     assert report["sizes"]["models_total_bytes"] == sum(
-        (quick_run / n / "model.safetensors").stat().st_size for n in ("target", "draft")
+        p.stat().st_size for p in quick_run.rglob("model*.safetensors")
     )
 
 
@@ -120,7 +137,10 @@ def test_quick_models_convert_and_match_pytorch_logits(quick_run: Path, tmp_path
         model, tokenizer = load(str(dst / name))
         assert tokenizer.eos_token_id == 0
         got = np.array(model(mx.array([ids])).astype(mx.float32))
-        hf = LlamaForCausalLM.from_pretrained(str(quick_run / name), dtype=torch.float32)
+        hf_folder = tmp_path / f"hf-{name}"
+        shutil.copytree(quick_run / name, hf_folder)
+        convert.write_shard_index(hf_folder)
+        hf = LlamaForCausalLM.from_pretrained(str(hf_folder), dtype=torch.float32)
         with torch.no_grad():
             want = hf(input_ids=torch.tensor([ids])).logits.numpy()
         # Both run the same bfloat16 weights; MLX computes in bfloat16, torch here in float32.
