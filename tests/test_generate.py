@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
 import warnings
 
 import mlx.core as mx
@@ -713,3 +714,38 @@ def test_patch_and_unpatch_are_idempotent_and_exact() -> None:
         server.make_sampler,
         lm_generate.stream_generate,
     ) == originals
+
+
+def test_patched_mlx_lm_command_accepts_by_rejection_sampling(
+    patched, target, monkeypatch, capsys
+) -> None:
+    # `mlx_lm.generate` (the command) with the target as its own draft at temperature 1: mlx-lm's
+    # main builds its sampler with the patched make_sampler, so mlx-spec rejection-samples, and
+    # with p == q every draft token is kept.
+    class Tok(ByteTokenizer):
+        vocab_size = 256
+
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    tokenizer = TokenizerWrapper(Tok())
+
+    def load(path, **kwargs):
+        return (target, tokenizer, {}) if kwargs.get("return_config") else (target, tokenizer)
+
+    rounds = []
+    original_round = spec_generate._Speculation.round
+
+    def counted_round(self, n, remaining):
+        out = original_round(self, n, remaining)
+        rounds.append((self.mode, n, out[1]))
+        return out
+
+    monkeypatch.setattr(lm_generate, "load", load)
+    monkeypatch.setattr(spec_generate._Speculation, "round", counted_round)
+    argv = "mlx_lm.generate --model m --draft-model d --num-draft-tokens 4 --temp 1.0"
+    argv += " --max-tokens 21 --seed 0 --ignore-chat-template --prompt hello"
+    monkeypatch.setattr(sys, "argv", argv.split())
+    lm_generate.main()
+    assert capsys.readouterr().out
+    assert rounds and {mode for mode, _, _ in rounds} == {"sampled"}
+    assert all(from_draft == min(n, 21 - 5 * i) for i, (_, n, from_draft) in enumerate(rounds))
