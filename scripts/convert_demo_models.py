@@ -69,10 +69,11 @@ def stage_hf_folders(src: Path, staging: Path) -> dict[str, Path]:
     folders = {}
     for name in ("target", "draft"):
         folder = staging / name
-        shutil.copytree(src / name, folder)
+        shutil.copytree(src / name, folder, copy_function=shutil.copyfile)
+        folder.chmod(0o755)  # the GPU run's files come back read-only
         for f in TOKENIZER_FILES:
             if not (folder / f).exists():
-                shutil.copy(src / "target" / f, folder / f)
+                shutil.copyfile(src / "target" / f, folder / f)
         write_shard_index(folder)
         folders[name] = folder
     return folders
@@ -116,7 +117,7 @@ def convert_one(hf_folder: Path, mlx_folder: Path) -> None:
     # Ship the trained tokenizer files as they are (mlx-lm re-saves them with the installed
     # transformers, whose format older versions may not read), and no stub model card.
     for f in TOKENIZER_FILES:
-        shutil.copy(hf_folder / f, mlx_folder / f)
+        shutil.copyfile(hf_folder / f, mlx_folder / f)
     (mlx_folder / "README.md").unlink(missing_ok=True)
     config_path = mlx_folder / "config.json"
     config = json.loads(config_path.read_text())
