@@ -1,0 +1,324 @@
+"""Distribution tests: the tokens ``accept_sampled`` emits have the target's distribution.
+
+Each test runs ``accept_sampled`` under ``mx.vmap`` over fixed keys
+(``mx.random.split(mx.random.key(1234), n)``) on a small vocabulary (V = 6, N = 3), in two
+scenarios: drafts drawn from ``q`` with keys split from another root key (``mx.random.key(4321)``),
+and a fixed deterministic draft (``draft_probs=None``). With rows that do not depend on the context,
+the emitted tokens are independent and token ``i`` follows ``p_i``, also given that the ``i``
+previous ones were accepted draft tokens; the acceptance rate at a position reached is
+``sum(min(p_i, q_i))``.
+
+Token distributions are judged with ``scipy.stats.chisquare`` on the support of ``p_i`` (a token
+outside it fails at once): a test passes when the p-value is above ``1e-4``. Acceptance rates pass
+within 5 binomial standard deviations. Every test has a negative control beside it: a wrong
+acceptance rule, written here in MLX and run through the same harness, that must give a p-value
+below ``1e-6`` (or a rate beyond 5 standard deviations) at the same sample size:
+
+- ``residual_abs``: ``norm(|p - q|)`` instead of ``norm(max(p - q, 0))`` (a residual without
+  the clipping, still a distribution);
+- ``residual_p``: ``next`` drawn from ``p_a`` after a rejection (a residual that does not
+  subtract ``q``);
+- ``slack``: acceptance ``u < p / q + 0.01``;
+- ``bonus_off_by_one``: after a fully accepted draft, ``next`` drawn from ``p_{N-1}``.
+
+The rows were chosen so that each control moves the tested distribution far beyond the threshold
+(the smallest expected chi-square noncentrality is about 80 at 100_000 keys, at 1_000_000 keys
+about 770) while about 90% of draft tokens are accepted, so that deep positions are reached.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from scipy import stats
+
+from mlx_spec import accept_sampled
+
+KEYS = 100_000  # the default run
+KEYS_FULL = 1_000_000  # the --full run
+PASS = 1e-4  # a correct rule passes when the p-value is above this
+FAIL = 1e-6  # a negative control must give a p-value below this
+SIGMAS = 5.0  # acceptance rates: the binomial confidence interval
+
+Accept = Callable[[mx.array, mx.array, mx.array | None, mx.array], mx.array]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One verification step's rows and how its draft is made.
+
+    Attributes:
+        probs (np.ndarray): ``[N + 1, V]`` float32 target distributions ``p``.
+        draft_probs (np.ndarray or None): ``[N, V]`` float32 drafter distributions ``q`` the draft
+            is sampled from; ``None`` for the fixed ``draft``.
+        draft (tuple of int or None): the fixed deterministic draft, ``[N]``.
+    """
+
+    probs: np.ndarray
+    draft_probs: np.ndarray | None
+    draft: tuple[int, ...] | None
+
+    def q(self) -> np.ndarray:
+        """``[N, V]`` float64: ``q``, or a point mass on each token of the fixed draft."""
+        if self.draft_probs is not None:
+            return self.draft_probs.astype(np.float64)
+        return np.eye(self.probs.shape[1])[list(self.draft)]
+
+
+# p_i = 0.9 q_i + 0.1 w_i: the residual max(p_i - q_i, 0) spreads over three tokens, one of which
+# both distributions share; row 0 has a token neither can emit.
+_Q = np.array(
+    [
+        [0.4, 0.3, 0.2, 0.1, 0.0, 0.0],
+        [0.1, 0.0, 0.3, 0.0, 0.2, 0.4],
+        [0.0, 0.25, 0.0, 0.35, 0.15, 0.25],
+    ]
+)
+_W = np.array(
+    [
+        [0.0, 0.0, 0.0, 0.3, 0.7, 0.0],
+        [0.0, 0.5, 0.0, 0.3, 0.0, 0.2],
+        [0.6, 0.0, 0.2, 0.0, 0.2, 0.0],
+    ]
+)
+_BONUS = [0.1, 0.2, 0.3, 0.15, 0.05, 0.2]
+SCENARIOS = {
+    "drafted": Scenario(
+        probs=np.vstack([0.9 * _Q + 0.1 * _W, [_BONUS]]).astype(np.float32),
+        draft_probs=_Q.astype(np.float32),
+        draft=None,
+    ),
+    # Each fixed draft token has p = 0.9 at its position.
+    "deterministic": Scenario(
+        probs=np.array(
+            [
+                [0.9, 0.04, 0.03, 0.02, 0.01, 0.0],
+                [0.03, 0.0, 0.9, 0.04, 0.02, 0.01],
+                [0.01, 0.02, 0.0, 0.04, 0.03, 0.9],
+                _BONUS,
+            ],
+            dtype=np.float32,
+        ),
+        draft_probs=None,
+        draft=(0, 2, 5),
+    ),
+}
+N = 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Wrong acceptance rules, for the negative controls (vmappable, like the real one).
+
+
+def _clipped(p: mx.array, q: mx.array) -> mx.array:
+    return mx.maximum(p - q, 0.0)
+
+
+def _absolute(p: mx.array, q: mx.array) -> mx.array:
+    return mx.abs(p - q)
+
+
+def _target(p: mx.array, q: mx.array) -> mx.array:
+    return p
+
+
+def make_wrong_accept(
+    residual: Callable[[mx.array, mx.array], mx.array], slack: float = 0.0, bonus_shift: int = 0
+) -> Accept:
+    """A rejection-sampling rule with one deliberate change.
+
+    Args:
+        residual: ``(p, q) -> r``, ``[N, V]`` unnormalised rows ``next`` is drawn from after a
+            rejection (``p`` itself where ``r`` has no mass).
+        slack: draft token ``i`` is accepted when ``u_i < p_i(d_i) / q_i(d_i) + slack``.
+        bonus_shift: after a fully accepted draft, ``next`` is drawn from ``p_{N - bonus_shift}``.
+
+    Returns:
+        ``accept(probs, draft, draft_probs, key)`` -> ``[3]`` uint32 ``[accepted, next, 0]``.
+    """
+
+    def accept(
+        probs: mx.array, draft: mx.array, draft_probs: mx.array | None, key: mx.array
+    ) -> mx.array:
+        n, v = draft.shape[0], probs.shape[1]
+        if draft_probs is None:
+            q = (mx.arange(v)[None, :] == draft[:, None]).astype(mx.float32)
+        else:
+            q = draft_probs
+        k_accept, k_next = mx.random.split(key)
+        u = mx.random.uniform(shape=(n,), key=k_accept)
+        at = draft.reshape(n, 1)
+        p_d = mx.take_along_axis(probs[:n], at, axis=-1).reshape(n)
+        q_d = mx.take_along_axis(q, at, axis=-1).reshape(n)
+        ok = u * q_d < p_d + slack * q_d
+        accepted = mx.cumprod(ok.astype(mx.uint32)).sum()
+        r = residual(probs[:n], q)
+        mass = r.sum(axis=-1, keepdims=True)
+        r = mx.where(mass > 0, r / mx.maximum(mass, 1e-30), probs[:n])
+        rows = mx.concatenate([r, probs[n - bonus_shift : n + 1 - bonus_shift]])
+        following = mx.random.categorical(mx.log(mx.take(rows, accepted, axis=0)), key=k_next)
+        return mx.stack([accepted, following.astype(mx.uint32), mx.array(0, mx.uint32)])
+
+    return accept
+
+
+ACCEPTS: dict[str, Accept] = {
+    "mlx_spec": lambda probs, draft, draft_probs, key: accept_sampled(
+        probs, draft, draft_probs, None, key
+    ),
+    "residual_abs": make_wrong_accept(_absolute),
+    "residual_p": make_wrong_accept(_target),
+    "slack": make_wrong_accept(_clipped, slack=0.01),
+    "bonus_off_by_one": make_wrong_accept(_clipped, bonus_shift=1),
+}
+RESIDUAL_AND_ACCEPTANCE_BUGS = ("residual_abs", "residual_p", "slack")
+
+
+# ---------------------------------------------------------------------------------------------
+# The harness.
+
+
+@cache
+def emitted(rule: str, scenario: str, n_keys: int) -> np.ndarray:
+    """Runs ``rule`` on ``scenario`` for ``n_keys`` fixed keys, batched with ``mx.vmap``.
+
+    Returns:
+        np.ndarray: ``[n_keys, N + 1]`` int64, the tokens emitted at positions ``0..N`` (the
+        accepted draft tokens, then ``next``), ``-1`` after them.
+    """
+    case = SCENARIOS[scenario]
+    accept = ACCEPTS[rule]
+    probs = mx.array(case.probs)
+    keys = mx.random.split(mx.random.key(1234), n_keys)
+    if case.draft_probs is None:
+        draft = mx.array(case.draft, dtype=mx.uint32)
+        drafts = mx.broadcast_to(draft, (n_keys, N))
+        out = mx.vmap(lambda k: accept(probs, draft, None, k))(keys)
+    else:
+        q = mx.array(case.draft_probs)
+        draft_keys = mx.random.split(mx.random.key(4321), n_keys)
+        drafts = mx.vmap(lambda k: mx.random.categorical(mx.log(q), key=k))(draft_keys)
+        out = mx.vmap(lambda d, k: accept(probs, d, q, k))(drafts, keys)
+    out, drafts = np.array(out).astype(np.int64), np.array(drafts).astype(np.int64)
+    accepted, following = out[:, 0], out[:, 1]
+    position = np.arange(N + 1)[None, :]
+    tokens = np.where(position < accepted[:, None], np.pad(drafts, ((0, 0), (0, 1))), -1)
+    return np.where(position == accepted[:, None], following[:, None], tokens)
+
+
+def fit_pvalue(tokens: np.ndarray, p: np.ndarray) -> float:
+    """Chi-square goodness-of-fit p-value of ``tokens`` (``[n]``) against ``p`` (``[V]``) on the
+    support of ``p``; 0 when a token falls outside it."""
+    p = p.astype(np.float64) / p.astype(np.float64).sum()
+    if not np.isin(tokens, np.flatnonzero(p > 0)).all():
+        return 0.0
+    counts = np.bincount(tokens, minlength=p.shape[0])[p > 0]
+    return float(stats.chisquare(counts, p[p > 0] * tokens.shape[0]).pvalue)
+
+
+def token_pvalue(rule: str, scenario: str, n_keys: int, position: int) -> float:
+    """The fit of the token emitted at ``position`` (given ``position`` accepted draft tokens)
+    to ``p_position``."""
+    tokens = emitted(rule, scenario, n_keys)[:, position]
+    return fit_pvalue(tokens[tokens >= 0], SCENARIOS[scenario].probs[position])
+
+
+def rate_sigmas(rule: str, scenario: str, n_keys: int, position: int) -> float:
+    """How many binomial standard deviations the acceptance rate at ``position`` (among the steps
+    that reach it) is above ``sum(min(p, q))`` there."""
+    case = SCENARIOS[scenario]
+    tokens = emitted(rule, scenario, n_keys)
+    reached = tokens[:, position] >= 0
+    accepted = (tokens[reached, position + 1] >= 0).sum()
+    rate = np.minimum(case.probs[position].astype(np.float64), case.q()[position]).sum()
+    n = reached.sum()
+    return float((accepted - n * rate) / np.sqrt(n * rate * (1 - rate)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Default run: position 0 at 100_000 keys.
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_first_token_follows_p0(scenario):
+    """100_000 keys: the first emitted token fits p_0 (chi-square p-value > 1e-4)."""
+    assert token_pvalue("mlx_spec", scenario, KEYS, 0) > PASS
+
+
+@pytest.mark.parametrize("rule", RESIDUAL_AND_ACCEPTANCE_BUGS)
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_first_token_test_rejects_wrong_rules(scenario, rule):
+    """Negative control, 100_000 keys: a wrong rule's first token fails the fit (p < 1e-6)."""
+    assert token_pvalue(rule, scenario, KEYS, 0) < FAIL
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_acceptance_rate_at_position_0_is_sum_min_p_q(scenario):
+    """100_000 keys: the rate at which draft token 0 is accepted is sum(min(p_0, q_0)) within 5
+    binomial standard deviations."""
+    assert abs(rate_sigmas("mlx_spec", scenario, KEYS, 0)) < SIGMAS
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_acceptance_rate_test_rejects_slack(scenario):
+    """Negative control, 100_000 keys: accepting when u < p / q + 0.01 lifts the rate at
+    position 0 more than 5 standard deviations."""
+    assert rate_sigmas("slack", scenario, KEYS, 0) > SIGMAS
+
+
+# ---------------------------------------------------------------------------------------------
+# --full: the deeper positions at 1_000_000 keys.
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("position", range(1, N))
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_token_after_i_accepted_follows_p_i(scenario, position):
+    """1_000_000 keys: given ``position`` accepted draft tokens, the next emitted token fits
+    p_position (chi-square p-value > 1e-4; over 800_000 steps reach position 2)."""
+    assert token_pvalue("mlx_spec", scenario, KEYS_FULL, position) > PASS
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("rule", RESIDUAL_AND_ACCEPTANCE_BUGS)
+@pytest.mark.parametrize("position", range(1, N))
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_token_after_i_accepted_test_rejects_wrong_rules(scenario, position, rule):
+    """Negative control, 1_000_000 keys: a wrong rule fails the fit at ``position`` (p < 1e-6)."""
+    assert token_pvalue(rule, scenario, KEYS_FULL, position) < FAIL
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_bonus_token_follows_pN(scenario):
+    """1_000_000 keys: after a fully accepted draft the bonus token fits p_N (chi-square
+    p-value > 1e-4; over 700_000 steps accept the whole draft)."""
+    assert token_pvalue("mlx_spec", scenario, KEYS_FULL, N) > PASS
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_bonus_token_test_rejects_off_by_one(scenario):
+    """Negative control, 1_000_000 keys: a bonus token drawn from p_{N-1} fails (p < 1e-6)."""
+    assert token_pvalue("bonus_off_by_one", scenario, KEYS_FULL, N) < FAIL
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("position", range(1, N))
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_acceptance_rate_given_i_accepted_is_sum_min_p_q(scenario, position):
+    """1_000_000 keys: among steps reaching ``position``, draft token ``position`` is accepted
+    at the rate sum(min(p, q)) within 5 binomial standard deviations."""
+    assert abs(rate_sigmas("mlx_spec", scenario, KEYS_FULL, position)) < SIGMAS
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("position", range(1, N))
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_acceptance_rate_given_i_accepted_test_rejects_slack(scenario, position):
+    """Negative control, 1_000_000 keys: u < p / q + 0.01 lifts the rate at ``position`` more
+    than 5 standard deviations."""
+    assert rate_sigmas("slack", scenario, KEYS_FULL, position) > SIGMAS
