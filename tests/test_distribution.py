@@ -6,24 +6,30 @@ scenarios: drafts drawn from ``q`` with keys split from another root key (``mx.r
 and a fixed deterministic draft (``draft_probs=None``). With rows that do not depend on the context,
 the emitted tokens are independent and token ``i`` follows ``p_i``, also given that the ``i``
 previous ones were accepted draft tokens; the acceptance rate at a position reached is
-``sum(min(p_i, q_i))``.
+``sum(min(p_i, q_i))``. With ``--full``, two more tests force the outcome of a one-token draft on a
+vocabulary of 4099 tokens (a prime, so no block length divides it) and check the draw of ``next``
+from the residual and from ``p_N`` token by token.
 
 Token distributions are judged with ``scipy.stats.chisquare`` on the support of ``p_i`` (a token
-outside it fails at once): a test passes when the p-value is above ``1e-4``. Acceptance rates pass
-within 5 binomial standard deviations. Every test has a negative control beside it: a wrong
-acceptance rule, written here in MLX and run through the same harness, that must give a p-value
-below ``1e-6`` (or a rate beyond 5 standard deviations) at the same sample size:
+outside it fails at once; tokens expected fewer than 20 times share a cell): a test passes when
+the p-value is above ``1e-4``. Acceptance rates pass within 5 binomial standard deviations. Every
+test has a negative control beside it: a wrong acceptance rule, written here in MLX and run
+through the same harness, that must give a p-value below ``1e-6`` (or a rate beyond 5 standard
+deviations) at the same sample size:
 
 - ``residual_abs``: ``norm(|p - q|)`` instead of ``norm(max(p - q, 0))`` (a residual without
   the clipping, still a distribution);
 - ``residual_p``: ``next`` drawn from ``p_a`` after a rejection (a residual that does not
   subtract ``q``);
 - ``slack``: acceptance ``u < p / q + 0.01``;
-- ``bonus_off_by_one``: after a fully accepted draft, ``next`` drawn from ``p_{N-1}``.
+- ``bonus_off_by_one``: after a fully accepted draft, ``next`` drawn from ``p_{N-1}``;
+- ``residual_tilted`` (large vocabulary only): ``norm(max(p - q, 0) ** 1.1)``, the right support
+  with weights a little off.
 
-The rows were chosen so that each control moves the tested distribution far beyond the threshold
-(the smallest expected chi-square noncentrality is about 80 at 100_000 keys, at 1_000_000 keys
-about 770) while about 90% of draft tokens are accepted, so that deep positions are reached.
+The small rows were chosen so that each control moves the tested distribution far beyond the
+threshold (the smallest expected chi-square noncentrality is about 80 at 100_000 keys, at
+1_000_000 keys about 770) while about 90% of draft tokens are accepted, so that deep positions are
+reached.
 """
 
 from collections.abc import Callable
@@ -125,6 +131,11 @@ def _target(p: mx.array, q: mx.array) -> mx.array:
     return p
 
 
+def _tilted(p: mx.array, q: mx.array) -> mx.array:
+    # The right support, weights off by a factor r ** 0.1 (a few tenths on a large vocabulary).
+    return mx.maximum(p - q, 0.0) ** 1.1
+
+
 def make_wrong_accept(
     residual: Callable[[mx.array, mx.array], mx.array], slack: float = 0.0, bonus_shift: int = 0
 ) -> Accept:
@@ -171,6 +182,7 @@ ACCEPTS: dict[str, Accept] = {
     ),
     "residual_abs": make_wrong_accept(_absolute),
     "residual_p": make_wrong_accept(_target),
+    "residual_tilted": make_wrong_accept(_tilted),
     "slack": make_wrong_accept(_clipped, slack=0.01),
     "bonus_off_by_one": make_wrong_accept(_clipped, bonus_shift=1),
 }
@@ -209,14 +221,24 @@ def emitted(rule: str, scenario: str, n_keys: int) -> np.ndarray:
     return np.where(position == accepted[:, None], following[:, None], tokens)
 
 
-def fit_pvalue(tokens: np.ndarray, p: np.ndarray) -> float:
-    """Chi-square goodness-of-fit p-value of ``tokens`` (``[n]``) against ``p`` (``[V]``) on the
-    support of ``p``; 0 when a token falls outside it."""
+def fit_pvalue(tokens: np.ndarray, p: np.ndarray, min_expected: float = 20.0) -> float:
+    """Chi-square goodness-of-fit p-value of ``tokens`` (``[n]``) against ``p`` (``[V]``).
+
+    Tokens of ``p``'s support expected fewer than ``min_expected`` times share one cell; a token
+    outside the support gives 0.
+    """
     p = p.astype(np.float64) / p.astype(np.float64).sum()
     if not np.isin(tokens, np.flatnonzero(p > 0)).all():
         return 0.0
-    counts = np.bincount(tokens, minlength=p.shape[0])[p > 0]
-    return float(stats.chisquare(counts, p[p > 0] * tokens.shape[0]).pvalue)
+    counts = np.bincount(tokens, minlength=p.shape[0])
+    expected = p * tokens.shape[0]
+    own = expected >= min_expected
+    rest = (p > 0) & ~own
+    observed, expected = counts[own], expected[own]
+    if rest.any():
+        observed = np.append(observed, counts[rest].sum())
+        expected = np.append(expected, tokens.shape[0] * p[rest].sum())
+    return float(stats.chisquare(observed, expected).pvalue)
 
 
 def token_pvalue(rule: str, scenario: str, n_keys: int, position: int) -> float:
@@ -322,3 +344,87 @@ def test_acceptance_rate_given_i_accepted_test_rejects_slack(scenario, position)
     """Negative control, 1_000_000 keys: u < p / q + 0.01 lifts the rate at ``position`` more
     than 5 standard deviations."""
     assert rate_sigmas("slack", scenario, KEYS_FULL, position) > SIGMAS
+
+
+# ---------------------------------------------------------------------------------------------
+# --full: the draw of next on a large vocabulary of prime size (no block length divides it).
+
+LARGE_V = 4099
+LARGE_KEYS = 200_000
+CHUNK = 5_000  # keys per vmapped call, to bound memory ([CHUNK, V] float32 is 80 MB)
+
+
+def _softmax_with_zeros(rng: np.random.Generator, zeros: float) -> np.ndarray:
+    x = rng.standard_normal(LARGE_V)
+    x[rng.random(LARGE_V) < zeros] = -np.inf
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+@cache
+def large_case(kind: str) -> tuple[np.ndarray, np.ndarray | None, int, np.ndarray]:
+    """A one-token draft on ``LARGE_V`` tokens whose outcome is forced.
+
+    ``rejected``: ``p_0(d) = 0 < q_0(d)``, so ``d`` is always rejected and ``next`` follows
+    ``norm(max(p_0 - q_0, 0))``. ``accepted``: ``p_0`` is a point mass on ``d`` (deterministic
+    draft), so ``d`` is always accepted and ``next`` follows ``p_1``.
+
+    Returns:
+        tuple: ``probs`` ``[2, V]`` float32, ``draft_probs`` ``[1, V]`` float32 or ``None``, the
+        draft token, and ``[V]`` float64 the distribution ``next`` must follow.
+    """
+    rng = np.random.default_rng(2024)
+    p = np.stack([_softmax_with_zeros(rng, 0.3), _softmax_with_zeros(rng, 0.3)])
+    d = int(np.flatnonzero(p[0] == 0)[0])
+    if kind == "accepted":
+        p[0] = np.eye(LARGE_V)[d]
+        return p.astype(np.float32), None, d, p[1]
+    q = _softmax_with_zeros(rng, 0.3)
+    q[d] = q.max()
+    q = (q / q.sum()).astype(np.float32)[None]
+    probs = p.astype(np.float32)
+    residual = np.maximum(probs[0].astype(np.float64) - q[0], 0.0)
+    return probs, q, d, residual / residual.sum()
+
+
+@cache
+def large_outcomes(rule: str, kind: str) -> np.ndarray:
+    """``[LARGE_KEYS, 3]`` results of ``rule`` on ``large_case(kind)``, keys
+    ``mx.random.split(mx.random.key(1234), LARGE_KEYS)``, vmapped ``CHUNK`` keys at a time."""
+    probs, draft_probs, d, _ = large_case(kind)
+    accept = ACCEPTS[rule]
+    probs = mx.array(probs)
+    q = None if draft_probs is None else mx.array(draft_probs)
+    draft = mx.array([d], dtype=mx.uint32)
+    step = mx.vmap(lambda k: accept(probs, draft, q, k))
+    keys = mx.random.split(mx.random.key(1234), LARGE_KEYS)
+    return np.concatenate(
+        [np.array(step(keys[i : i + CHUNK])) for i in range(0, LARGE_KEYS, CHUNK)]
+    ).astype(np.int64)
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("kind", ["rejected", "accepted"])
+def test_next_follows_its_row_on_a_large_vocabulary(kind):
+    """200_000 keys, V = 4099: after a forced rejection ``next`` fits norm(max(p_0 - q_0, 0)),
+    after a forced acceptance it fits p_1 (chi-square p-value > 1e-4; tokens expected fewer than
+    20 times share a cell)."""
+    out = large_outcomes("mlx_spec", kind)
+    assert (out[:, 0] == (kind == "accepted")).all()
+    assert fit_pvalue(out[:, 1], large_case(kind)[3]) > PASS
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize(
+    ("kind", "rule"),
+    [
+        ("rejected", "residual_abs"),
+        ("rejected", "residual_p"),
+        ("rejected", "residual_tilted"),
+        ("accepted", "bonus_off_by_one"),
+    ],
+)
+def test_next_on_a_large_vocabulary_test_rejects_wrong_rules(kind, rule):
+    """Negative control, 200_000 keys, V = 4099: a wrong row for ``next`` fails (p < 1e-6);
+    ``residual_tilted`` has the right support, so only the chi-square can see it."""
+    assert fit_pvalue(large_outcomes(rule, kind)[:, 1], large_case(kind)[3]) < FAIL
