@@ -96,7 +96,7 @@ FULL = Recipe(
     lr_target=2e-3,
     lr_draft=3e-3,
     eval_windows=128,
-    eval_every=1000,
+    eval_every=250,
     prompts=32,
     prompt_len=32,
     new_tokens=64,
@@ -393,6 +393,8 @@ class RunInfo:
     steps_per_s: float
     final_train_loss: float
     stopped_by_budget: bool
+    best_step: int
+    best_heldout: float
 
 
 class Trainer:
@@ -455,12 +457,17 @@ class Trainer:
             budget_s (float, optional): seconds this run may take. Default: none.
             loss_fn (callable): ``loss_fn(model, batch) -> scalar tensor`` for a
                 ``[B, S + 1]`` batch.
-            heldout_fn (callable): ``heldout_fn() -> float``, logged every ``eval_every``.
+            heldout_fn (callable): ``heldout_fn() -> float``, evaluated every ``eval_every``
+                steps and at the end; the weights with the lowest value are kept (early
+                stopping: the corpus is small enough to memorise).
             seed_offset (int): makes this run's batch stream differ from the other's.
 
         Returns:
-            RunInfo: steps run, timings and the mean training loss of the last steps.
+            RunInfo: steps run, timings, the mean training loss of the last steps, and the step
+            whose weights were kept.
         """
+        import copy
+
         import torch
 
         r = self.recipe
@@ -472,6 +479,7 @@ class Trainer:
         recent: list[Any] = []
         last_losses: list[float] = []
         stopped = False
+        best_value, best_step, best_state = float("inf"), 0, None
         self.sync()
         t0 = time.time()
         t_calib = t0
@@ -505,7 +513,11 @@ class Trainer:
                     f"{name} step {step}/{total} loss {mean:.4f} lr {lr:.2e} {rate:,.0f} tok/s"
                 )
             if step % r.eval_every == 0 and step < total:
-                self.log(f"{name} step {step}: held-out loss {heldout_fn():.4f}")
+                value = heldout_fn()
+                self.log(f"{name} step {step}: held-out loss {value:.4f}")
+                if value < best_value:
+                    best_value, best_step = value, step
+                    best_state = copy.deepcopy(model.state_dict())
                 model.train()
             if budget_s is not None and time.time() - t0 > budget_s and step < total:
                 self.log(f"{name}: time budget spent at step {step} of {total}")
@@ -515,6 +527,12 @@ class Trainer:
         seconds = time.time() - t0
         if recent:
             last_losses.append(torch.stack(recent).mean().item())
+        final = heldout_fn()
+        if final < best_value or best_state is None:
+            best_value, best_step = final, step
+        else:
+            model.load_state_dict(best_state)
+            self.log(f"{name}: keeping the weights of step {best_step} (held-out {best_value:.4f})")
         model.eval()
         return RunInfo(
             params=count_params(model),
@@ -525,6 +543,8 @@ class Trainer:
             steps_per_s=round(step / seconds, 3),
             final_train_loss=round(sum(last_losses[-3:]) / len(last_losses[-3:]), 4),
             stopped_by_budget=stopped,
+            best_step=best_step,
+            best_heldout=round(best_value, 4),
         )
 
 
