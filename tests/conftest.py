@@ -18,14 +18,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--full",
         action="store_true",
         default=False,
-        help="also run the heavy statistical tests (marker 'statistical'); CI runs them",
+        help="also run the heavy tests (markers 'statistical' and 'slow'); CI runs them",
     )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--full"):
         return
-    skip = pytest.mark.skip(reason="heavy statistical test: run with --full")
+    skip = pytest.mark.skip(reason="heavy test: run with --full")
     for item in items:
-        if "statistical" in item.keywords:
+        if "statistical" in item.keywords or "slow" in item.keywords:
             item.add_marker(skip)

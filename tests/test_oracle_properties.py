@@ -311,7 +311,7 @@ def test_greedy_equals_oracle(shape):
     _check_greedy(shape)
 
 
-@pytest.mark.statistical
+@pytest.mark.slow
 @settings(max_examples=500)
 @given(shape=_shapes(ALL_N, ALL_VOCABS))
 def test_greedy_equals_oracle_over_all_shapes(shape):
@@ -396,7 +396,7 @@ def test_sampled_matches_oracle_for_the_same_uniforms(shape, drafter, q_dtype, q
     _check_sampled(shape, drafter, q_dtype, q_layout, sharp)
 
 
-@pytest.mark.statistical
+@pytest.mark.slow
 @settings(max_examples=200)
 @given(
     shape=_shapes(ALL_N, ALL_VOCABS),
