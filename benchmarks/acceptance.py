@@ -8,6 +8,8 @@ median latency (interleaved repeats, one run) of:
 - mlx-spec: ``accept_greedy`` / ``accept_sampled`` (with and without ``draft_probs``) + ``read``;
 - mlx-lm: its verification path today (log-softmax and sampler over the N + 1 rows, ``tolist``,
   compare in Python, as ``mlx_lm.generate.speculative_generate_step`` does);
+- nan check: what reporting a NaN row costs in ``accept_greedy`` (a gather of one value per row
+  at its argmax, and ``isnan``), + a read, beside the floor's pass over the rows;
 - oracle: the plain-loop NumPy oracle of the test suite (with ``--oracle``; it is slow);
 - torch: where PyTorch sees a CUDA GPU and MLX runs on the GPU, the same acceptance written the
   way vLLM's rejection sampler does it (argmax, compare, cumprod; ratio test, residual,
@@ -118,12 +120,15 @@ def _case(v: int, n: int, oracle: bool) -> dict[str, Callable[[], object]]:
     # A draft that agrees for about half its length, so the accepted count varies.
     draft = mx.argmax(logits[:n], axis=-1).astype(mx.uint32)
     draft = mx.where(mx.arange(n) < n // 2, draft, (draft + 1) % v)
-    mx.eval(out, probs, q, draft)
+    rows32 = logits.astype(mx.float32)
+    choice = mx.argmax(rows32, axis=-1)[:, None]
+    mx.eval(out, probs, q, draft, rows32, choice)
     key = mx.random.key(0)
     cases: dict[str, Callable[[], object]] = {
         "floor bf16": lambda: mx.max(logits, axis=-1).tolist(),
         "greedy": lambda: read(accept_greedy(logits, draft)),
         "mlx-lm greedy": lambda: _mlx_lm_greedy(logits, draft),
+        "nan check": lambda: mx.isnan(mx.take_along_axis(rows32, choice, axis=-1)).tolist(),
         "floor f32": lambda: mx.max(probs, axis=-1).tolist(),
         "sampled q": lambda: read(accept_sampled(probs, draft, q, None, key)),
         "sampled none": lambda: read(accept_sampled(probs, draft, None, None, key)),
@@ -167,7 +172,7 @@ def _table(rows: list[dict]) -> str:
     head = (
         f"{'V':>7} {'N':>3} | {'floor16':>8} {'greedy':>8} {'x floor':>7} {'mlx-lm':>8} "
         f"{'speedup':>7} | {'floor32':>8} {'samp q':>8} {'x floor':>7} {'samp -':>8} "
-        f"{'x floor':>7} {'mlx-lm':>8} {'speedup':>7}"
+        f"{'x floor':>7} {'mlx-lm':>8} {'speedup':>7} | {'nan chk':>8} {'x floor':>7}"
     )
     extra = [k for k in rows[0] if k.startswith(("oracle", "torch"))]
     head += "".join(f" | {k:>18}" for k in extra)
@@ -180,7 +185,8 @@ def _table(rows: list[dict]) -> str:
             f"{r['mlx-lm greedy'] / r['greedy']:7.1f} | {ms['floor f32']:8.3f} "
             f"{ms['sampled q']:8.3f} {r['sampled q'] / r['floor f32']:7.2f} "
             f"{ms['sampled none']:8.3f} {r['sampled none'] / r['floor f32']:7.2f} "
-            f"{ms['mlx-lm sampled']:8.3f} {r['mlx-lm sampled'] / r['sampled q']:7.1f}"
+            f"{ms['mlx-lm sampled']:8.3f} {r['mlx-lm sampled'] / r['sampled q']:7.1f} | "
+            f"{ms['nan check']:8.3f} {r['nan check'] / r['floor bf16']:7.3f}"
         )
         line += "".join(f" | {ms[k]:15.3f} ms" for k in extra)
         lines.append(line)

@@ -185,7 +185,11 @@ def _blocked(x: mx.array, k: int) -> mx.array:
 
 
 def _draw_residual(
-    p_row: mx.array, q_row: mx.array | None, removed: mx.array | None, u: mx.array
+    p_row: mx.array,
+    q_row: mx.array | None,
+    q_scale: mx.array | None,
+    removed: mx.array | None,
+    u: mx.array,
 ) -> tuple[mx.array, mx.array]:
     """Draws an index from ``norm(max(p - q, 0))``, or from ``p`` when that has no mass.
 
@@ -195,7 +199,9 @@ def _draw_residual(
 
     Args:
         p_row (array): ``[V]`` float32 target distribution.
-        q_row (array, optional): ``[V]`` float32 draft distribution to subtract.
+        q_row (array, optional): ``[V]`` draft distribution to subtract, times ``q_scale``.
+        q_scale (array, optional): ``[]`` float32 factor of ``q_row`` (0 after a full accept),
+            applied inside the fused residual rather than in a pass of its own.
         removed (array, optional): ``[]`` uint32 token whose mass is removed instead (no token
             when ``>= V``).
         u (array): ``[]`` float32 uniform in ``[0, 1)``.
@@ -215,14 +221,14 @@ def _draw_residual(
     def residual_block(b: mx.array) -> mx.array:
         block = mx.take(p, b, axis=0)
         if q is not None:
-            return mx.maximum(block - mx.take(q, b, axis=0), 0.0)
+            return mx.maximum(block - q_scale * mx.take(q, b, axis=0), 0.0)
         if removed is not None:
             hit = mx.logical_and(_iota(k) == removed % k, b == removed // k)
             return mx.where(hit, 0.0, block)
         return block
 
     if q is not None:
-        r_sums = mx.maximum(p - q, 0.0).sum(axis=-1)
+        r_sums = mx.maximum(p - q_scale * q, 0.0).sum(axis=-1)
     elif removed is not None:
         # Only the removed token's block changes: sum it again without that token.
         own = removed // k
@@ -335,16 +341,16 @@ def _next_token(
     p_row = mx.take(probs, accepted, axis=0).astype(mx.float32)
     u = mx.random.uniform(key=key)
     if n == 0:
-        return _draw_residual(p_row, None, None, u)
+        return _draw_residual(p_row, None, None, None, u)
     last = mx.minimum(accepted, n - 1)
     rejected = accepted < n
     if q is None:
         # A point mass on the draft token: the residual is p without that token.
         removed = mx.where(rejected, mx.take(draft, last), 0xFFFFFFFF)
-        return _draw_residual(p_row, None, removed, u)
-    # After a full accept the draw is from p_N: q is scaled by 0 (fused into the residual).
-    q_row = mx.take(q, last, axis=0).astype(mx.float32) * rejected
-    return _draw_residual(p_row, q_row, None, u)
+        return _draw_residual(p_row, None, None, removed, u)
+    # After a full accept the draw is from p_N: q is scaled by 0 inside the residual.
+    q_row = mx.take(q, last, axis=0)
+    return _draw_residual(p_row, q_row, rejected.astype(mx.float32), None, u)
 
 
 def read(result: mx.array) -> Verdict | list:
