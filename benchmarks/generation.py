@@ -1,7 +1,7 @@
 """Does speculation pay in generation? mlx-spec's loop against mlx-lm's and plain decoding.
 
-For temperatures 0, 0.7 and 1.0 and draft lengths N in {2, 4, 8}, on the same models, prompts and
-seeds, the mean tokens per round and the tokens per second of:
+For temperatures 0, 0.7 and 1.0 and draft lengths N in {1, 2, 4}, on the same models, prompts
+and seeds, the mean tokens per round and the tokens per second of:
 
 - mlx-spec: :func:`mlx_spec.generate.speculative_generate_step` with
   :func:`mlx_spec.sampling.make_sampler` (rejection sampling at temperature > 0);
@@ -11,39 +11,33 @@ seeds, the mean tokens per round and the tokens per second of:
 
 Rounds of mlx-lm's loop are counted from its yields (one target token per round). Methods run
 interleaved prompt by prompt, after a warm-up, so load on the machine affects them alike; the
-table gives ratios measured in this one run.
+table gives ratios measured in this one run. The measuring code is in :mod:`mlx_spec.bench`
+(``mlx-spec bench`` runs it too, and plots it).
 
-Models (random weights, nothing downloaded, until a shipped demo pair replaces them): a float32
-llama target whose first layer dominates the later ones and whose output layer is scaled up, so
-its distributions are peaked as a trained model's are; the draft is that target cut to its first
-layer (same embeddings and output layer).
+Models: the demo pair shipped in ``mlx_spec/demo`` (a trained 6-layer target and a distilled
+1-layer draft, vocabulary 4096), on its code and prose prompts. With ``--random-models``, the
+random-weight pair used before the demo pair existed: a float32 llama target whose first layer
+dominates the later ones and whose output layer is scaled up, so its distributions are peaked as
+a trained model's are, and as draft that target cut to its first layer; random prompts.
 
-Usage: ``python benchmarks/generation.py [--quick] [--tokens T] [--prompts P]``.
+Usage: ``python benchmarks/generation.py [--quick] [--tokens T] [--prompts P] [--drafts 1 2 4]
+[--random-models]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import platform
-import time
-from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map_with_path
-from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
-from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
-from mlx_spec.generate import SpeculativeStats, speculative_generate_step
-from mlx_spec.sampling import make_sampler
-
-# The module: the package exports a function under the same name.
-lm_generate = importlib.import_module("mlx_lm.generate")
+from mlx_spec.bench import PROMPTS, generation_rows, generation_table, load_demo_pair, warm_up
 
 TEMPS = (0.0, 0.7, 1.0)
-DRAFTS = (2, 4, 8)
+DRAFTS = (1, 2, 4)
 
 
 def make_target(seed: int = 0, *, vocab: int = 4096, hidden: int = 384, layers: int = 8):
@@ -87,104 +81,41 @@ def cut(model, layers: int):
     return small
 
 
-@dataclasses.dataclass
-class Tally:
-    tokens: int = 0
-    rounds: int = 0
-    seconds: float = 0.0
-
-    def add(self, steps: Iterator, rounds: Callable[[list[bool]], int]) -> None:
-        tic = time.perf_counter()
-        # Speculative loops yield (token, logprobs, from_draft); plain decoding (token, logprobs).
-        flags = [len(item) == 3 and bool(item[2]) for item in steps]
-        self.seconds += time.perf_counter() - tic
-        self.tokens += len(flags)
-        self.rounds += rounds(flags)
-
-
-def _ours(prompt, target, draft, n, temp, seed, max_tokens, tally: Tally) -> None:
-    stats = SpeculativeStats()
-    steps = speculative_generate_step(
-        prompt,
-        target,
-        draft,
-        num_draft_tokens=n,
-        max_tokens=max_tokens,
-        sampler=make_sampler(temp=temp),
-        key=mx.random.key(seed),
-        stats=stats,
-    )
-    tally.add(steps, lambda _: stats.rounds)
-
-
-def _mlx_lm(prompt, target, draft, n, temp, seed, max_tokens, tally: Tally) -> None:
-    mx.random.seed(seed)
-    steps = lm_generate.speculative_generate_step(
-        prompt,
-        target,
-        draft,
-        num_draft_tokens=n,
-        max_tokens=max_tokens,
-        sampler=mlx_lm_make_sampler(temp=temp),
-    )
-    # One target token per round; a last round cut by max_tokens may end on a draft token.
-    tally.add(steps, lambda flags: flags.count(False) + (1 if flags and flags[-1] else 0))
-
-
-def _plain(prompt, target, temp, seed, max_tokens, tally: Tally) -> None:
-    mx.random.seed(seed)
-    steps = generate_step(
-        prompt, target, max_tokens=max_tokens, sampler=mlx_lm_make_sampler(temp=temp)
-    )
-    tally.add(steps, len)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer prompts and tokens")
     parser.add_argument("--tokens", type=int, default=None, help="tokens per generation")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per setting")
+    parser.add_argument("--drafts", type=int, nargs="+", default=DRAFTS, help="values of N")
+    parser.add_argument(
+        "--random-models", action="store_true", help="random-weight llamas, not the demo pair"
+    )
     args = parser.parse_args()
     max_tokens = args.tokens or (48 if args.quick else 128)
-    n_prompts = args.prompts or (1 if args.quick else 2)
+    n_prompts = args.prompts or (2 if args.quick else 4)
 
-    target = make_target()
-    draft = cut(target, 1)
-    prompts = [
-        mx.random.randint(1, target.args.vocab_size, (24,), key=mx.random.key(100 + i))
-        for i in range(n_prompts)
-    ]
-    # Warm-up: compile kernels and fill MLX's buffer cache.
-    _ours(prompts[0], target, draft, 2, 1.0, 0, 16, Tally())
-    _mlx_lm(prompts[0], target, draft, 2, 1.0, 0, 16, Tally())
-    _plain(prompts[0], target, 1.0, 0, 16, Tally())
+    if args.random_models:
+        target = make_target()
+        draft = cut(target, 1)
+        prompts = [
+            mx.random.randint(1, target.args.vocab_size, (24,), key=mx.random.key(100 + i))
+            for i in range(n_prompts)
+        ]
+        models = f"random float32 llamas: target {len(target.layers)} layers, draft 1 layer"
+    else:
+        target, draft, tokenizer = load_demo_pair()
+        prompts = [mx.array(tokenizer.encode(PROMPTS[i % len(PROMPTS)])) for i in range(n_prompts)]
+        models = "the shipped demo pair: target 6 x 384, draft 1 x 192, bfloat16"
+    warm_up(target, draft, prompts[0])
 
     print(
         f"# generation: {platform.system()} {platform.machine()}, MLX {mx.__version__}, "
-        f"{mx.default_device()}; target {len(target.layers)} layers, draft 1 layer, "
-        f"V = {target.args.vocab_size}; {n_prompts} prompt(s) x {max_tokens} tokens"
+        f"{mx.default_device()}; {models}, V = {target.args.vocab_size}; "
+        f"{n_prompts} prompt(s) x {max_tokens} tokens",
+        flush=True,
     )
-    header = (
-        "| temp | N | tok/round mlx-spec | tok/round mlx-lm | ratio | tok/s mlx-spec "
-        "| tok/s mlx-lm | tok/s plain | mlx-spec/mlx-lm | mlx-spec/plain |"
-    )
-    print(header)
-    print("|---" * 10 + "|")
-    for temp in TEMPS:
-        for n in DRAFTS:
-            ours, theirs, plain = Tally(), Tally(), Tally()
-            for i, prompt in enumerate(prompts):
-                _ours(prompt, target, draft, n, temp, i, max_tokens, ours)
-                _mlx_lm(prompt, target, draft, n, temp, i, max_tokens, theirs)
-                _plain(prompt, target, temp, i, max_tokens, plain)
-            tpr_ours = ours.tokens / ours.rounds
-            tpr_theirs = theirs.tokens / theirs.rounds
-            tps = [t.tokens / t.seconds for t in (ours, theirs, plain)]
-            print(
-                f"| {temp:.1f} | {n} | {tpr_ours:.2f} | {tpr_theirs:.2f} | "
-                f"{tpr_ours / tpr_theirs:.2f}x | {tps[0]:.0f} | {tps[1]:.0f} | {tps[2]:.0f} | "
-                f"{tps[0] / tps[1]:.2f}x | {tps[0] / tps[2]:.2f}x |"
-            )
+    rows = generation_rows(target, draft, prompts, TEMPS, args.drafts, max_tokens)
+    print(generation_table(rows))
 
 
 if __name__ == "__main__":

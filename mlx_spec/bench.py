@@ -138,8 +138,10 @@ def acceptance_cases(v: int, n: int) -> dict[str, Callable[[], object]]:
     Returns:
         dict: name to a function that runs the step and reads its result on the host:
         ``floor bf16``, ``greedy``, ``mlx-lm greedy``, ``floor f32``, ``sampled q`` (with
-        ``draft_probs``), ``sampled none`` (deterministic drafts), ``mlx-lm sampled``, and the
-        ``torch ...`` peers where PyTorch sees a CUDA GPU.
+        ``draft_probs``), ``sampled none`` (deterministic drafts), ``mlx-lm sampled``,
+        ``nan check`` (what reporting a NaN row costs ``accept_greedy``: a gather of one value
+        per row at its argmax and ``isnan``, + a read) and the ``torch ...`` peers where
+        PyTorch sees a CUDA GPU.
     """
     rng = np.random.default_rng(v + n)
     logits_np = (rng.standard_normal((n + 1, v), dtype=np.float32) * 4).astype(np.float32)
@@ -149,12 +151,15 @@ def acceptance_cases(v: int, n: int) -> dict[str, Callable[[], object]]:
     q = mx.softmax(mx.array(rng.standard_normal((n, v), dtype=np.float32) * 4), axis=-1)
     draft = mx.argmax(logits[:n], axis=-1).astype(mx.uint32)
     draft = mx.where(mx.arange(n) < n // 2, draft, (draft + 1) % v)
-    mx.eval(out, probs, q, draft)
+    rows32 = logits.astype(mx.float32)
+    choice = mx.argmax(rows32, axis=-1)[:, None]
+    mx.eval(out, probs, q, draft, rows32, choice)
     key = mx.random.key(0)
     cases: dict[str, Callable[[], object]] = {
         "floor bf16": lambda: mx.max(logits, axis=-1).tolist(),
         "greedy": lambda: read(accept_greedy(logits, draft)),
         "mlx-lm greedy": lambda: _mlx_lm_greedy(logits, draft),
+        "nan check": lambda: mx.isnan(mx.take_along_axis(rows32, choice, axis=-1)).tolist(),
         "floor f32": lambda: mx.max(probs, axis=-1).tolist(),
         "sampled q": lambda: read(accept_sampled(probs, draft, q, None, key)),
         "sampled none": lambda: read(accept_sampled(probs, draft, None, None, key)),
@@ -202,7 +207,7 @@ def acceptance_table(rows: Sequence[dict[str, Any]]) -> str:
     head = (
         f"{'V':>7} {'N':>3} | {'floor16':>8} {'greedy':>8} {'x floor':>7} {'mlx-lm':>8} "
         f"{'speedup':>7} | {'floor32':>8} {'samp q':>8} {'x floor':>7} {'samp -':>8} "
-        f"{'x floor':>7} {'mlx-lm':>8} {'speedup':>7}"
+        f"{'x floor':>7} {'mlx-lm':>8} {'speedup':>7} | {'nan chk':>8} {'x floor':>7}"
     )
     extra = [k for k in rows[0] if k.startswith(("oracle", "torch"))]
     head += "".join(f" | {k:>18}" for k in extra)
@@ -215,7 +220,8 @@ def acceptance_table(rows: Sequence[dict[str, Any]]) -> str:
             f"{r['mlx-lm greedy'] / r['greedy']:7.1f} | {ms['floor f32']:8.3f} "
             f"{ms['sampled q']:8.3f} {r['sampled q'] / r['floor f32']:7.2f} "
             f"{ms['sampled none']:8.3f} {r['sampled none'] / r['floor f32']:7.2f} "
-            f"{ms['mlx-lm sampled']:8.3f} {r['mlx-lm sampled'] / r['sampled q']:7.1f}"
+            f"{ms['mlx-lm sampled']:8.3f} {r['mlx-lm sampled'] / r['sampled q']:7.1f} | "
+            f"{ms['nan check']:8.3f} {r['nan check'] / r['floor bf16']:7.3f}"
         )
         line += "".join(f" | {ms[k]:15.3f} ms" for k in extra)
         lines.append(line)
