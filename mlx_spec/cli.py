@@ -206,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mlx-spec {args.command}: error: {error}", file=sys.stderr)
         return 2
     except ImportError as error:
-        extra = "bench,lm" if args.command == "bench" else "lm"
+        extra = "bench" if args.command == "bench" else "lm"
         print(
             f"mlx-spec {args.command}: error: {error}; install it with "
             f"pip install 'mlx-spec[{extra}]'",

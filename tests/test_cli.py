@@ -1,0 +1,404 @@
+"""The ``mlx-spec`` command, driven as a user drives it: ``python -m mlx_spec ...`` in a subprocess.
+
+Each subcommand runs on the shipped demo pair (no download) and its output is checked for what
+it claims: the counts agree with each other, greedy speculation prints the target's own greedy
+text, a seed reproduces a run, the benchmark writes valid JSON and PNG files. Each error is one
+line on stderr with exit status 2 and no traceback. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+import mlx_spec
+
+DEMO = Path(mlx_spec.__file__).resolve().parent / "demo"
+TARGET, DRAFT = str(DEMO / "target"), str(DEMO / "draft")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def mlx_spec_cmd(*args: str, env: dict | None = None, timeout: float = 300):
+    """Runs ``python -m mlx_spec *args``; returns the completed process (text output)."""
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_spec", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def assert_one_line_error(proc, *fragments: str) -> str:
+    """Exit status 2, nothing on stdout, one line on stderr holding every fragment."""
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def generate(
+    *extra: str,
+    model: str = TARGET,
+    draft: str = DRAFT,
+    prompt: str = "def f(x):",
+    env: dict | None = None,
+):
+    return mlx_spec_cmd(
+        "generate", "--model", model, "--draft-model", draft, "--prompt", prompt, *extra, env=env
+    )
+
+
+SPECULATION = re.compile(
+    r"Speculation: N = (\d+), (\d+) rounds, (\d+) drafted, (\d+) accepted "
+    r"\(acceptance rate ([\d.]+)%\), ([\d.]+) tokens per round"
+)
+
+
+def generated_text(stdout: str) -> str:
+    """What ``generate`` streamed: stdout before its ``==========`` line, less the newline."""
+    return stdout.split("\n==========\n")[0]
+
+
+# -- --help ------------------------------------------------------------------------------------
+
+
+def test_help_lists_the_subcommands():
+    proc = mlx_spec_cmd("--help")
+    assert proc.returncode == 0
+    for command in ("demo", "generate", "bench"):
+        assert command in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("command", "options"),
+    [
+        ("demo", ["--max-tokens", "--num-draft-tokens", "--seed", "--color"]),
+        (
+            "generate",
+            [
+                *("--model", "--draft-model", "--prompt", "--temp", "--top-p", "--top-k"),
+                *("--min-p", "--num-draft-tokens", "--max-tokens", "--seed"),
+                "--ignore-chat-template",
+            ],
+        ),
+        ("bench", ["--out", "--quick", "results.json", "generation.png"]),
+    ],
+)
+def test_help_of_each_subcommand_names_its_options(command, options):
+    proc = mlx_spec_cmd(command, "--help")
+    assert proc.returncode == 0
+    assert proc.stdout.startswith(f"usage: mlx-spec {command}")
+    text = " ".join(proc.stdout.split())  # argparse wraps lines
+    for option in options:
+        assert option in text, option
+
+
+def test_no_subcommand_is_a_one_line_error():
+    assert_one_line_error(mlx_spec_cmd(), "mlx-spec: error:", "COMMAND", "--help")
+
+
+# -- generate ----------------------------------------------------------------------------------
+
+
+def test_generate_streams_text_and_consistent_counts():
+    proc = generate("--temp", "0.8", "--top-p", "0.95", "-n", "3", "--max-tokens", "24")
+    assert proc.returncode == 0, proc.stderr
+    assert generated_text(proc.stdout).strip()
+    n, rounds, drafted, accepted, rate, per_round = SPECULATION.search(proc.stdout).groups()
+    tokens = int(re.search(r"Generation: (\d+) tokens", proc.stdout).group(1))
+    assert int(n) == 3
+    assert int(drafted) == 3 * int(rounds)
+    assert 0 <= int(accepted) <= int(drafted)
+    assert 1 <= tokens <= 24
+    # Every round yields its accepted drafts and one token of the target's (or stops).
+    assert int(rounds) <= tokens <= int(rounds) + int(accepted)
+    assert float(rate) == pytest.approx(100 * int(accepted) / int(drafted), abs=0.05)
+    assert float(per_round) == pytest.approx(tokens / int(rounds), abs=0.005)
+
+
+def test_generate_with_a_seed_is_reproducible():
+    args = ("--temp", "1.0", "--max-tokens", "16", "--seed", "7")
+    first, second = generate(*args), generate(*args)
+    assert first.returncode == second.returncode == 0
+    assert generated_text(first.stdout) == generated_text(second.stdout)
+    assert SPECULATION.search(first.stdout).groups() == SPECULATION.search(second.stdout).groups()
+
+
+def test_greedy_generate_prints_the_targets_greedy_text():
+    """At temperature 0 speculation is lossless: the text is plain greedy decoding's."""
+    from mlx_lm import generate as mlx_lm_generate
+    from mlx_lm import load
+
+    prompt = "class Queue:\n    def put(self, item):\n"
+    proc = generate("--temp", "0", "-n", "2", "--max-tokens", "24", prompt=prompt)
+    assert proc.returncode == 0, proc.stderr
+    model, tokenizer = load(TARGET)
+    expected = mlx_lm_generate(model, tokenizer, prompt, max_tokens=24)
+    assert generated_text(proc.stdout) == expected
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+def test_missing_model_folder(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    line = assert_one_line_error(generate(model=missing), "target model folder not found")
+    assert missing in line
+
+
+def test_missing_draft_folder(tmp_path):
+    missing = str(tmp_path / "nowhere" / "draft")
+    assert_one_line_error(generate(draft=missing), "draft model folder not found", missing)
+
+
+def test_folder_without_a_model(tmp_path):
+    assert_one_line_error(generate(draft=str(tmp_path)), "not an mlx-lm model folder")
+
+
+def test_a_name_mlx_lm_cannot_resolve_offline(tmp_path):
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(tmp_path / "hf"),
+    }
+    proc = generate(env=env, draft="no-such-org/no-such-model")
+    assert_one_line_error(proc, "could not load the draft model", "no-such-org/no-such-model")
+
+
+def _draft_copy(tmp_path: Path, edit) -> str:
+    folder = tmp_path / "draft"
+    shutil.copytree(DRAFT, folder)
+    path = folder / "tokenizer.json"
+    tokenizer = json.loads(path.read_text())
+    edit(tokenizer)
+    path.write_text(json.dumps(tokenizer))
+    return str(folder)
+
+
+def test_draft_with_a_larger_vocabulary(tmp_path):
+    def add_token(tokenizer):
+        tokenizer["added_tokens"].append(
+            {
+                "id": 4096,
+                "content": "<|extra|>",
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        )
+
+    proc = generate(draft=_draft_copy(tmp_path, add_token))
+    assert_one_line_error(proc, "4096 tokens", "4097", "vocabulary sizes differ")
+
+
+def test_draft_with_another_tokenizer_of_the_same_size(tmp_path):
+    def swap_two_ids(tokenizer):
+        vocab = tokenizer["model"]["vocab"]
+        a, b = sorted(vocab, key=vocab.get)[300:302]
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+
+    proc = generate(draft=_draft_copy(tmp_path, swap_two_ids))
+    assert_one_line_error(proc, "different tokenizers", "2 of 4096 tokens")
+
+
+def test_draft_whose_cache_cannot_be_trimmed(tmp_path):
+    """A state-space draft (mamba): its recurrent cache cannot be rewound after a round."""
+    from mlx_lm.models import mamba
+
+    config = {
+        "model_type": "mamba",
+        "vocab_size": 4096,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "state_size": 4,
+        "num_hidden_layers": 1,
+        "conv_kernel": 4,
+        "use_bias": False,
+        "use_conv_bias": True,
+        "time_step_rank": 4,
+    }
+    folder = tmp_path / "mamba"
+    folder.mkdir()
+    model = mamba.Model(mamba.ModelArgs(**config))
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO / "draft" / name, folder / name)
+    proc = generate(draft=str(folder))
+    assert_one_line_error(proc, "draft model's cache cannot be trimmed", "ArraysCache")
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--temp", "-1"], ["--temp", "must be >= 0", "-1"]),
+        (["--temp", "nan"], ["--temp", "finite"]),
+        (["--temp", "hot"], ["--temp", "expected a number", "hot"]),
+        (["--top-p", "1.5"], ["--top-p", "[0, 1]", "1.5"]),
+        (["--min-p", "-0.1"], ["--min-p", "[0, 1]"]),
+        (["--top-k", "-2"], ["--top-k", "must be >= 0"]),
+        (["--num-draft-tokens", "0"], ["--num-draft-tokens", "must be >= 1", "0"]),
+        (["-n", "1.5"], ["expected an integer"]),
+        (["--max-tokens", "0"], ["--max-tokens", "must be >= 1"]),
+        (["--seed", "-3"], ["--seed", "must be >= 0"]),
+    ],
+)
+def test_bad_generate_option(args, fragments):
+    proc = generate(*args)
+    assert_one_line_error(proc, "mlx-spec generate: error:", "--help", *fragments)
+
+
+def test_generate_needs_its_models():
+    proc = mlx_spec_cmd("generate", "--prompt", "hi")
+    assert_one_line_error(proc, "required", "--model", "--draft-model")
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["demo", "--max-tokens", "0"], ["--max-tokens", "must be >= 1"]),
+        (["demo", "-n", "0"], ["--num-draft-tokens", "must be >= 1"]),
+        (["demo", "--color", "pink"], ["--color", "invalid choice"]),
+        (["bench", "--frobnicate"], ["unrecognized arguments", "--frobnicate"]),
+    ],
+)
+def test_bad_demo_and_bench_options(args, fragments):
+    assert_one_line_error(mlx_spec_cmd(*args), *fragments)
+
+
+def test_bench_out_is_a_file(tmp_path):
+    file = tmp_path / "results"
+    file.write_text("")
+    assert_one_line_error(mlx_spec_cmd("bench", "--out", str(file)), "is a file", "folder")
+
+
+# -- demo --------------------------------------------------------------------------------------
+
+TABLE_ROW = re.compile(
+    r"^\| (0\.0|0\.8) \| (plain decoding \(mlx-lm generate_step\)|mlx-lm speculative decoding"
+    r"|mlx-spec) \| ([\d.]+) \| ([\d.]+)x \| ([\d.]+) \| ([\d.]+%|-) \|$",
+    re.MULTILINE,
+)
+COMPLETION = re.compile(
+    r"^--- (code|prose) prompt, temperature (0\.0|0\.8), mlx-spec, N = (\d) ---\n(.*?)\n"
+    r"--- (\d+) tokens in (\d+) rounds, (\d+) of (\d+) draft tokens accepted ---$",
+    re.MULTILINE | re.DOTALL,
+)
+
+
+def check_demo_output(stdout: str, n: int | None, max_tokens: int) -> None:
+    chosen = int(re.search(r"^N = (\d) draft tokens per round", stdout, re.MULTILINE).group(1))
+    assert chosen == n if n is not None else chosen in (1, 2, 3)
+    completions = COMPLETION.findall(stdout)
+    assert [(c[0], c[1]) for c in completions] == [
+        ("code", "0.0"),
+        ("code", "0.8"),
+        ("prose", "0.0"),
+        ("prose", "0.8"),
+    ]
+    for _, _, n_shown, text, tokens, rounds, accepted, drafted in completions:
+        assert int(n_shown) == chosen
+        assert 1 <= int(tokens) <= max_tokens
+        assert int(drafted) == chosen * int(rounds)
+        assert int(accepted) <= int(drafted)
+        # Runs of accepted draft tokens are bracketed (stdout is not a terminal).
+        if int(accepted):
+            assert "[" in text
+    assert sum(int(c[6]) for c in completions) > 0, "no draft token was accepted at all"
+
+    rows = {(temp, method): rest for temp, method, *rest in TABLE_ROW.findall(stdout)}
+    assert len(rows) == 6, stdout
+    for temp in ("0.0", "0.8"):
+        plain = rows[(temp, "plain decoding (mlx-lm generate_step)")]
+        assert plain[1] == "1.00" and plain[2] == "1.00" and plain[3] == "-"
+        for method in ("mlx-lm speculative decoding", "mlx-spec"):
+            tps, vs_plain, per_round, rate = rows[(temp, method)]
+            assert float(vs_plain) == pytest.approx(float(tps) / float(plain[0]), abs=0.02)
+            assert 1.0 <= float(per_round) <= chosen + 1
+            assert 0.0 <= float(rate.rstrip("%")) <= 100.0
+    # At temperature 0 both loops are greedy acceptance: same drafts kept, same rounds.
+    assert rows[("0.0", "mlx-spec")][2] == rows[("0.0", "mlx-lm speculative decoding")][2]
+
+
+def test_demo_streams_marked_completions_then_the_table():
+    proc = mlx_spec_cmd("demo", "--max-tokens", "12", "-n", "2", "--color", "never")
+    assert proc.returncode == 0, proc.stderr
+    check_demo_output(proc.stdout, 2, 12)
+    assert "\x1b[" not in proc.stdout
+    assert "shown in [brackets]" in proc.stdout
+
+
+@pytest.mark.slow
+def test_demo_with_its_defaults_chooses_n_by_measurement():
+    proc = mlx_spec_cmd("demo")
+    assert proc.returncode == 0, proc.stderr
+    assert "the fastest measured here" in proc.stdout
+    speeds = re.search(r"tokens/s N=1: (\d+), N=2: (\d+), N=3: (\d+)\)", proc.stdout).groups()
+    chosen = int(re.search(r"^N = (\d)", proc.stdout, re.MULTILINE).group(1))
+    assert int(speeds[chosen - 1]) == max(int(s) for s in speeds)
+    check_demo_output(proc.stdout, None, 64)
+
+
+def test_marker_colours_runs_of_draft_tokens(monkeypatch):
+    from mlx_spec.cli import _Marker
+
+    for color, (left, right) in ((True, ("\x1b[32m", "\x1b[0m")), (False, ("[", "]"))):
+        out = io.StringIO()
+        monkeypatch.setattr(sys, "stdout", out)
+        marker = _Marker(color)
+        for text, from_draft in [("a", False), ("b", True), ("c", True), ("", False), ("d", False)]:
+            marker.write(text, from_draft)
+        marker.write("e", True)
+        marker.end()
+        assert out.getvalue() == f"a{left}bc{right}d{left}e{right}\n"
+
+
+# -- bench -------------------------------------------------------------------------------------
+
+
+def test_bench_quick_writes_results_and_plots(tmp_path):
+    out = tmp_path / "bench"
+    proc = mlx_spec_cmd("bench", "--quick", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["quick"] is True
+    assert {"date", "system", "mlx", "mlx_lm", "device"} <= set(results["machine"])
+    acceptance = results["acceptance"]
+    assert sorted(r["V"] for r in acceptance) == [32000, 152064, 262144]
+    for row in acceptance:
+        for case in ("floor bf16", "greedy", "mlx-lm greedy", "sampled q", "mlx-lm sampled"):
+            assert row[case] > 0
+    generation = results["generation"]
+    settings = results["settings"]["generation"]
+    assert len(generation) == len(settings["temps"]) * len(settings["num_draft_tokens"])
+    tokens = len(settings["prompts"]) * settings["max_tokens"]
+    for row in generation:
+        for method in ("mlx-spec", "mlx-lm", "plain"):
+            assert row[method]["tokens"] == tokens
+            assert row[method]["rounds"] <= tokens
+        assert row["plain"]["rounds"] == tokens
+        assert row["mlx-spec"]["drafted"] == row["N"] * row["mlx-spec"]["rounds"]
+        if row["temp"] == 0:
+            assert row["mlx-spec"]["rounds"] == row["mlx-lm"]["rounds"]
+    for name in ("acceptance.png", "generation.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000, name
+    assert "speedup" in proc.stdout and "tok/round mlx-spec" in proc.stdout
+    assert str(out / "results.json") in proc.stdout
+    assert re.search(r"\] \d+/\d+ acceptance", proc.stderr), proc.stderr
