@@ -166,22 +166,27 @@ def _greedy_graph(on_cpu: bool) -> Callable[..., mx.array]:
     return mx.compile(greedy)
 
 
-def _block_size(v: int) -> int:
-    """A block length near ``sqrt(V)`` for the two-level draw, dividing ``V`` if it can."""
+def _block_count(v: int) -> int:
+    """A number of blocks near ``sqrt(V)`` for the two-level draw, dividing ``V`` if it can."""
     root = max(1, math.isqrt(v))
-    for k in range(root, max(root // 4, 1) - 1, -1):
-        if v % k == 0:
-            return k
+    for blocks in range(root, max(root // 4, 1) - 1, -1):
+        if v % blocks == 0:
+            return blocks
     return root
 
 
-def _blocked(x: mx.array, k: int) -> mx.array:
-    """``[V]`` as ``[ceil(V / k), k]``, zero-padded."""
+def _table(x: mx.array, blocks: int) -> mx.array:
+    """``[V]`` as ``[ceil(V / blocks), blocks]``, zero-padded: block ``b`` is column ``b``.
+
+    Any fixed order of the tokens gives an exact inverse-CDF draw, and strided blocks make the
+    block sums a reduction over the leading axis, which MLX's CPU backend runs about 3x faster
+    than one over the last axis.
+    """
     v = x.shape[0]
-    blocks = -(-v // k)
-    if blocks * k != v:
-        x = mx.pad(x, [(0, blocks * k - v)])
-    return x.reshape(blocks, k)
+    depth = -(-v // blocks)
+    if depth * blocks != v:
+        x = mx.pad(x, [(0, depth * blocks - v)])
+    return x.reshape(depth, blocks)
 
 
 def _draw_residual(
@@ -211,29 +216,27 @@ def _draw_residual(
         true when the distribution drawn from is invalid (NaN, infinite or without mass).
     """
     v = p_row.shape[0]
-    k = _block_size(v)
-    p = _blocked(p_row, k)
-    blocks = p.shape[0]
-    p_sums = p.sum(axis=-1)
-
-    q = None if q_row is None else _blocked(q_row, k)
+    blocks = _block_count(v)
+    p = _table(p_row, blocks)
+    depth = p.shape[0]
+    p_sums = p.sum(axis=0)
+    q = None if q_row is None else _table(q_row, blocks)
 
     def residual_block(b: mx.array) -> mx.array:
-        block = mx.take(p, b, axis=0)
+        block = mx.take(p, b, axis=1)
         if q is not None:
-            return mx.maximum(block - q_scale * mx.take(q, b, axis=0), 0.0)
+            return mx.maximum(block - q_scale * mx.take(q, b, axis=1), 0.0)
         if removed is not None:
-            hit = mx.logical_and(_iota(k) == removed % k, b == removed // k)
+            hit = mx.logical_and(_iota(depth) == removed // blocks, b == removed % blocks)
             return mx.where(hit, 0.0, block)
         return block
 
     if q is not None:
-        r_sums = mx.maximum(p - q_scale * q, 0.0).sum(axis=-1)
+        r_sums = mx.maximum(p - q_scale * q, 0.0).sum(axis=0)
     elif removed is not None:
         # Only the removed token's block changes: sum it again without that token.
-        own = removed // k
-        own_sum = residual_block(mx.minimum(own, blocks - 1)).sum()
-        r_sums = mx.where(_iota(blocks) == own, own_sum, p_sums)
+        own = removed % blocks
+        r_sums = mx.where(_iota(blocks) == own, residual_block(own).sum(), p_sums)
     else:
         r_sums = p_sums
     use_p = ~(r_sums.sum() > 0)
@@ -243,12 +246,12 @@ def _draw_residual(
     t = mx.minimum(u * total, total * (1 - 2.0**-23))
     b = mx.minimum((cum <= t).sum(), blocks - 1).astype(mx.uint32)
     below = mx.where(b > 0, mx.take(cum, mx.maximum(b, 1) - 1), 0.0)
-    scan = mx.cumsum(mx.where(use_p, mx.take(p, b, axis=0), residual_block(b)))
+    scan = mx.cumsum(mx.where(use_p, mx.take(p, b, axis=1), residual_block(b)))
     j = (scan <= t - below).sum().astype(mx.uint32)
     # Block sums and scans round differently: when the scan ends at or below the target, take
     # the last index with mass, the first maximum of the scan.
-    j = mx.where(j >= k, mx.argmax(scan).astype(mx.uint32), j)
-    index = mx.minimum(b * k + j, v - 1)
+    j = mx.where(j >= depth, mx.argmax(scan).astype(mx.uint32), j)
+    index = mx.minimum(b + blocks * j, v - 1)
     return index, mx.logical_or(~mx.isfinite(total), ~(total > 0))
 
 
