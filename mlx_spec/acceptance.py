@@ -68,6 +68,10 @@ def _uint32(ids: mx.array) -> mx.array:
     return ids if ids.dtype == mx.uint32 else ids.astype(mx.uint32)
 
 
+def _float32(x: mx.array) -> mx.array:
+    return x if x.dtype == mx.float32 else x.astype(mx.float32)
+
+
 def _first(flags: mx.array, default: int) -> mx.array:
     """``[]`` uint32: the index of the first true in ``flags`` (``[n]`` bool), else ``default``."""
     positions = _iota(flags.shape[0])
@@ -315,12 +319,12 @@ def _sampled_graph(
     accept_key, next_key = mx.random.split(key)
     draft = _uint32(draft)
     safe = mx.minimum(draft, v - 1)[:, None]
-    p_draft = mx.take_along_axis(probs[:n], safe, axis=-1)[:, 0].astype(mx.float32)
+    p_draft = _float32(mx.take_along_axis(probs[:n], safe, axis=-1)[:, 0])
     u = mx.random.uniform(shape=(n,), key=accept_key)
     if q is None:
         ok = u < p_draft
     else:
-        q_draft = mx.take_along_axis(q, safe, axis=-1)[:, 0].astype(mx.float32)
+        q_draft = _float32(mx.take_along_axis(q, safe, axis=-1)[:, 0])
         ok = u * q_draft < p_draft
     accepted, eos_in_draft = _accepted(mx.logical_and(ok, draft < v), draft, eos)
     token, bad = _next_token(probs, q, draft, accepted, next_key)
@@ -341,7 +345,7 @@ def _next_token(
 ) -> tuple[mx.array, mx.array]:
     """``next`` (``[]`` uint32) drawn from the residual of row ``accepted``, and its validity."""
     n = draft.shape[0]
-    p_row = mx.take(probs, accepted, axis=0).astype(mx.float32)
+    p_row = _float32(mx.take(probs, accepted, axis=0))
     u = mx.random.uniform(key=key)
     if n == 0:
         return _draw_residual(p_row, None, None, None, u)
