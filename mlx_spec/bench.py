@@ -629,7 +629,7 @@ def run_benchmark(
 
     Args:
         out (Path): the output folder.
-        quick (bool): fewer configurations, repeats, prompts and tokens (about a minute on two
+        quick (bool): fewer configurations, repeats, prompts and tokens (under a minute on two
             CPU cores).
         progress (callable): called with ``(step, steps, label)`` before each of the ``steps``
             measurements.

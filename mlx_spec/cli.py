@@ -180,11 +180,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--out",
         type=Path,
-        default=Path("mlx-spec-bench"),
-        help="output folder (default: ./mlx-spec-bench)",
+        default=Path("bench-out"),
+        help="output folder (default: ./bench-out)",
     )
     bench.add_argument(
-        "--quick", action="store_true", help="fewer settings: about a minute on two CPU cores"
+        "--quick", action="store_true", help="fewer settings: under a minute on two CPU cores"
     )
     bench.set_defaults(run=_bench)
     return parser
