@@ -3,7 +3,7 @@
 For temperatures 0, 0.7 and 1.0 and draft lengths N in {1, 2, 4}, on the same models, prompts
 and seeds, the mean tokens per round and the tokens per second of:
 
-- mlx-spec: :func:`mlx_spec.generate.speculative_generate_step` with
+- mlx-spec: :func:`mlx_spec.generation.speculative_generate_step` with
   :func:`mlx_spec.sampling.make_sampler` (rejection sampling at temperature > 0);
 - mlx-lm: ``mlx_lm.generate.speculative_generate_step`` with mlx-lm's sampler (a draft token is
   kept when the target's own sample equals it);

@@ -36,7 +36,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     if name in _GENERATION:
         try:
-            module = import_module(".generate", __name__)
+            module = import_module(".generation", __name__)
         except ImportError as error:
             raise ImportError(
                 f"mlx_spec.{name} needs mlx-lm: pip install 'mlx-spec[lm]' ({error})"

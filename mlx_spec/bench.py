@@ -34,7 +34,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
 from .acceptance import accept_greedy, accept_sampled, read
-from .generate import SpeculativeStats, speculative_generate_step
+from .generation import SpeculativeStats, speculative_generate_step
 from .sampling import make_sampler
 
 # The module: the package exports a function under the same name.

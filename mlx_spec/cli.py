@@ -302,7 +302,7 @@ def check_caches(target: Any, draft: Any) -> None:
 def _generate(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
-    from .generate import SpeculativeStats, stream_generate
+    from .generation import SpeculativeStats, stream_generate
     from .sampling import make_sampler
 
     target, tokenizer = load_model(args.model, "target")
@@ -378,7 +378,7 @@ def _demo(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from . import bench
-    from .generate import SpeculativeStats, stream_generate
+    from .generation import SpeculativeStats, stream_generate
     from .sampling import make_sampler
 
     for role in ("target", "draft"):

@@ -24,9 +24,9 @@ from mlx_lm.models.cache import ArraysCache, make_prompt_cache, trim_prompt_cach
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 from scipy import stats as scipy_stats
 
-import mlx_spec.generate as spec_generate
+import mlx_spec.generation as spec_generation
 from mlx_spec.acceptance import accept_sampled, read
-from mlx_spec.generate import (
+from mlx_spec.generation import (
     SpeculativeResponse,
     SpeculativeStats,
     patch_mlx_lm,
@@ -493,7 +493,7 @@ def test_negative_control_resampling_from_the_target_fails(small_pair, monkeypat
         token = mx.random.categorical(mx.log(row), key=mx.random.split(key)[1])
         return mx.stack([result[0], token.astype(mx.uint32), result[2]])
 
-    monkeypatch.setattr(spec_generate, "accept_sampled", without_residual)
+    monkeypatch.setattr(spec_generation, "accept_sampled", without_residual)
     counts = sampled_pairs(model, draft, make_sampler(temp=1.0), samples=1000)
     assert chi_square_p(counts, expected) < THRESHOLD
 
@@ -630,7 +630,7 @@ def test_generate_returns_text_and_fills_stats(target, drafts) -> None:
     tokenizer = ByteTokenizer()
     plain = lm_generate.generate(target, tokenizer, PROMPT, max_tokens=40)
     stats = SpeculativeStats()
-    text = spec_generate.generate(
+    text = spec_generation.generate(
         target, tokenizer, PROMPT, max_tokens=40, draft_model=drafts["truncated"], stats=stats
     )
     assert text == plain and stats.generated == 40 and stats.rounds > 0
@@ -733,7 +733,7 @@ def test_patched_mlx_lm_command_accepts_by_rejection_sampling(
         return (target, tokenizer, {}) if kwargs.get("return_config") else (target, tokenizer)
 
     rounds = []
-    original_round = spec_generate._Speculation.round
+    original_round = spec_generation._Speculation.round
 
     def counted_round(self, n, remaining):
         out = original_round(self, n, remaining)
@@ -741,7 +741,7 @@ def test_patched_mlx_lm_command_accepts_by_rejection_sampling(
         return out
 
     monkeypatch.setattr(lm_generate, "load", load)
-    monkeypatch.setattr(spec_generate._Speculation, "round", counted_round)
+    monkeypatch.setattr(spec_generation._Speculation, "round", counted_round)
     argv = "mlx_lm.generate --model m --draft-model d --num-draft-tokens 4 --temp 1.0"
     argv += " --max-tokens 21 --seed 0 --ignore-chat-template --prompt hello"
     monkeypatch.setattr(sys, "argv", argv.split())
