@@ -43,9 +43,14 @@ def _random_logprobs(shape: tuple[int, ...], dtype: mx.Dtype, seed: int) -> mx.a
 
 
 def _counts(sampler, row: mx.array, draws: int, seed: int) -> np.ndarray:
+    # In batches of at most 50,000 rows: MLX's CUDA sort and partition fail to launch on more
+    # than 65,535 rows (cudaGraphAddKernelNode: invalid argument, MLX 0.32.4).
     mx.random.seed(seed)
-    tokens = sampler(mx.broadcast_to(row, (draws, row.shape[-1])))
-    return np.bincount(np.array(tokens), minlength=row.shape[-1])
+    counts = np.zeros(row.shape[-1], np.int64)
+    for start in range(0, draws, 50_000):
+        batch = mx.broadcast_to(row, (min(50_000, draws - start), row.shape[-1]))
+        counts += np.bincount(np.array(sampler(batch)), minlength=row.shape[-1])
+    return counts
 
 
 def _gof_pvalue(counts: np.ndarray, probs: mx.array) -> float:
