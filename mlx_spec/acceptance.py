@@ -22,6 +22,7 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
+from . import fused as fused_kernels
 from ._checks import check_draft_probs, check_eos, check_ids, check_key, check_rows, describe
 
 StreamOrDevice = mx.Stream | mx.Device | mx.DeviceType | None
@@ -48,6 +49,30 @@ def _on_cpu(stream: StreamOrDevice) -> bool:
         stream = stream.device
     kind = stream if isinstance(stream, mx.DeviceType) else stream.type
     return kind == mx.DeviceType.cpu
+
+
+def _use_fused(op: str, fused: bool, stream: StreamOrDevice, v: int) -> bool:
+    """Checks that ``op`` can run the fused kernel when asked to; returns ``fused``."""
+    if not fused:
+        return False
+    if not fused_kernels.available(stream):
+        where = stream if stream is not None else mx.default_device()
+        raise ValueError(
+            f"{op}: `fused=True` needs MLX's CUDA backend and a GPU stream, got {where} "
+            f"(CUDA available: {mx.cuda.is_available()})"
+        )
+    if v > fused_kernels.MAX_VOCAB:
+        raise ValueError(
+            f"{op}: `fused=True` takes V <= {fused_kernels.MAX_VOCAB}, got V = {v}; "
+            "use the composition (fused=False)"
+        )
+    return True
+
+
+@cache
+def _no_id() -> mx.array:
+    """``[1]`` uint32 ``0xFFFFFFFF``: no token equals it; stands in for a missing eos or draft."""
+    return mx.array([0xFFFFFFFF], mx.uint32)
 
 
 # Boolean `&` and `|` are avoided: under mx.vmap, MLX 0.32's bitwise ops mix up a batched and an
@@ -115,6 +140,7 @@ def accept_greedy(
     draft: mx.array,
     eos: mx.array | None = None,
     *,
+    fused: bool = False,
     stream: StreamOrDevice = None,
 ) -> mx.array:
     """Greedy acceptance of a draft from one verification step.
@@ -131,6 +157,9 @@ def accept_greedy(
             ``[0, V)`` is rejected.
         eos (array, optional): ``[E]`` uint32 or int32 end-of-sequence ids; ``None`` or empty
             for none. Default: ``None``.
+        fused (bool, optional): make the decisions in one fused CUDA kernel launch instead of
+            the composition of MLX ops (same result). Needs MLX's CUDA backend and a GPU
+            stream; not under ``mx.vmap`` (MLX cannot vmap custom kernels). Default: ``False``.
         stream (Stream or Device, optional): where to run. Default: the default stream.
 
     Returns:
@@ -138,12 +167,18 @@ def accept_greedy(
         raises if a NaN decided the result.
 
     Raises:
-        ValueError: an argument has the wrong rank, dtype or length; the message names it.
+        ValueError: an argument has the wrong rank, dtype or length, or ``fused=True`` where
+            the kernel cannot run; the message names it.
     """
-    n, _ = check_rows("accept_greedy", "logits", logits)
-    draft = check_ids("accept_greedy", "draft", draft, n)
-    eos = check_eos("accept_greedy", eos)
+    op = "accept_greedy"
+    n, v = check_rows(op, "logits", logits)
+    draft = check_ids(op, "draft", draft, n)
+    eos = check_eos(op, eos)
     with _on(stream):
+        if _use_fused(op, fused, stream, v):
+            return fused_kernels.greedy(
+                logits, draft if n else _no_id(), _no_id() if eos is None else eos
+            )
         return _greedy_graph(_on_cpu(stream))(logits, draft, eos)
 
 
@@ -171,7 +206,8 @@ def _greedy_graph(on_cpu: bool) -> Callable[..., mx.array]:
 
 
 def _block_count(v: int) -> int:
-    """A number of blocks near ``sqrt(V)`` for the two-level draw, dividing ``V`` if it can."""
+    """A number of blocks near ``sqrt(V)`` for the two-level draw, dividing ``V`` if it can
+    (``ms_block_count`` in :mod:`mlx_spec.fused` computes the same)."""
     root = max(1, math.isqrt(v))
     for blocks in range(root, max(root // 4, 1) - 1, -1):
         if v % blocks == 0:
@@ -266,6 +302,7 @@ def accept_sampled(
     eos: mx.array | None,
     key: mx.array,
     *,
+    fused: bool = False,
     stream: StreamOrDevice = None,
 ) -> mx.array:
     """Lossless sampled acceptance (rejection sampling) of a draft from one verification step.
@@ -276,9 +313,10 @@ def accept_sampled(
     has no mass); after a fully accepted draft, from ``p_N``. Every emitted token then has exactly
     the target's distribution (Leviathan et al. 2023; Chen et al. 2023).
 
-    ``key`` is split in two: the first half draws the ``N`` acceptance uniforms, the second the
-    draw of ``next``; the same key gives the same result. The drafter must sample its tokens with
-    keys independent of ``key``: shared randomness biases the output towards the draft.
+    ``key`` draws ``N + 1`` uniforms, ``u = mx.random.uniform(shape=(N + 1,), key=key)``: ``u[:N]``
+    for the ratio tests, ``u[N]`` for the draw of ``next``; the same key gives the same result.
+    The drafter must sample its tokens with keys independent of ``key``: shared randomness biases
+    the output towards the draft.
 
     Args:
         probs (array): ``[N + 1, V]`` float32, float16 or bfloat16 target distributions (after
@@ -291,6 +329,11 @@ def accept_sampled(
         eos (array, optional): ``[E]`` uint32 or int32 end-of-sequence ids; ``None`` or empty
             for none.
         key (array): ``[2]`` uint32 key from ``mx.random.key``.
+        fused (bool, optional): make the decisions in one fused CUDA kernel launch (after the
+            uniforms) instead of the composition of MLX ops: the same result, up to the
+            rounding of sums in the draw of ``next``. Needs MLX's CUDA backend, a GPU stream
+            and ``V <= 2**24``; not under ``mx.vmap`` (MLX cannot vmap custom kernels).
+            Default: ``False``.
         stream (Stream or Device, optional): where to run. Default: the default stream.
 
     Returns:
@@ -298,7 +341,8 @@ def accept_sampled(
         raises if the row that decided ``next`` holds NaN or infinity or has no mass.
 
     Raises:
-        ValueError: an argument has the wrong rank, dtype, shape or length; the message names it.
+        ValueError: an argument has the wrong rank, dtype, shape or length, or ``fused=True``
+            where the kernel cannot run; the message names it.
     """
     op = "accept_sampled"
     n, v = check_rows(op, "probs", probs)
@@ -307,7 +351,25 @@ def accept_sampled(
     eos = check_eos(op, eos)
     key = check_key(op, key)
     with _on(stream):
+        if _use_fused(op, fused, stream, v):
+            return _fused_sampled_graph(probs, draft, q, eos, key)
         return _sampled_graph(probs, draft, q, eos, key)
+
+
+@mx.compile
+def _fused_sampled_graph(
+    probs: mx.array, draft: mx.array, q: mx.array | None, eos: mx.array | None, key: mx.array
+) -> mx.array:
+    """The uniforms, then the fused kernel (compiled: the uniforms' element-wise ops fuse)."""
+    n = draft.shape[0]
+    return fused_kernels.sampled(
+        probs,
+        probs if q is None or n == 0 else q,
+        draft if n else _no_id(),
+        _no_id() if eos is None else eos,
+        mx.random.uniform(shape=(n + 1,), key=key),
+        has_q=q is not None and n > 0,
+    )
 
 
 @mx.compile
@@ -315,19 +377,31 @@ def _sampled_graph(
     probs: mx.array, draft: mx.array, q: mx.array | None, eos: mx.array | None, key: mx.array
 ) -> mx.array:
     """The compiled sampled graph (traced once per shape and set of optional inputs)."""
+    n = draft.shape[0]
+    return sampled_from_uniforms(probs, draft, q, eos, mx.random.uniform(shape=(n + 1,), key=key))
+
+
+def sampled_from_uniforms(
+    probs: mx.array,
+    draft: mx.array,
+    q: mx.array | None,
+    eos: mx.array | None,
+    uniforms: mx.array,
+) -> mx.array:
+    """The composition of :func:`accept_sampled` given its uniforms (``[N + 1]`` float32): the
+    reference that the fused kernel is checked against."""
     n, v = draft.shape[0], probs.shape[1]
-    accept_key, next_key = mx.random.split(key)
+    u = uniforms[:n]
     draft = _uint32(draft)
     safe = mx.minimum(draft, v - 1)[:, None]
     p_draft = _float32(mx.take_along_axis(probs[:n], safe, axis=-1)[:, 0])
-    u = mx.random.uniform(shape=(n,), key=accept_key)
     if q is None:
         ok = u < p_draft
     else:
         q_draft = _float32(mx.take_along_axis(q, safe, axis=-1)[:, 0])
         ok = u * q_draft < p_draft
     accepted, eos_in_draft = _accepted(mx.logical_and(ok, draft < v), draft, eos)
-    token, bad = _next_token(probs, q, draft, accepted, next_key)
+    token, bad = _next_token(probs, q, draft, accepted, uniforms[n])
     if q is None and n:
         # The residual drops the draft token, so a NaN there is caught here, not by the draw.
         nan_draft = mx.isnan(mx.take(p_draft, mx.minimum(accepted, n - 1)))
@@ -341,12 +415,12 @@ def _next_token(
     q: mx.array | None,
     draft: mx.array,
     accepted: mx.array,
-    key: mx.array,
+    u: mx.array,
 ) -> tuple[mx.array, mx.array]:
-    """``next`` (``[]`` uint32) drawn from the residual of row ``accepted``, and its validity."""
+    """``next`` (``[]`` uint32) drawn with uniform ``u`` from the residual of row ``accepted``,
+    and its validity."""
     n = draft.shape[0]
     p_row = _float32(mx.take(probs, accepted, axis=0))
-    u = mx.random.uniform(key=key)
     if n == 0:
         return _draw_residual(p_row, None, None, None, u)
     last = mx.minimum(accepted, n - 1)

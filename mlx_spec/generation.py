@@ -41,6 +41,7 @@ from mlx_lm.generate import (
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from . import fused as fused_kernels
 from ._checks import check_key, describe
 from .acceptance import INVALID_ROW, accept_greedy, accept_sampled
 from .sampling import make_sampler
@@ -160,6 +161,8 @@ class _Speculation:
         self.processors = list(logits_processors)
         self.eos_set = set(eos)
         self.eos_array = mx.array(eos, dtype=mx.uint32) if eos else None
+        # One launch per verification where MLX runs on CUDA (the loop never vmaps).
+        self.fused = fused_kernels.available()
         self.key = key
         self.quantize = quantize
         self.stats = stats
@@ -250,17 +253,20 @@ class _Speculation:
             )
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if self.mode == "greedy":
-            result = accept_greedy(logits, draft, self.eos_array)
+            result = accept_greedy(logits, draft, self.eos_array, fused=self.fused)
         elif self.mode == "sampled":
             vocab = logits.shape[-1]
             q = _fit_vocab(q, vocab) if q is not None else None
-            result = accept_sampled(self.sampler.probs(logprobs), draft, q, self.eos_array, key)
+            probs = self.sampler.probs(logprobs)
+            result = accept_sampled(probs, draft, q, self.eos_array, key, fused=self.fused)
         else:
             # mlx-lm's rule: a draft token is kept when the target's own sample equals it, which
             # is greedy acceptance of the one-hot rows of those samples.
             picks = self.sampler(logprobs).astype(mx.uint32)
             one_hot = mx.arange(logits.shape[-1], dtype=mx.uint32)[None, :] == picks[:, None]
-            result = accept_greedy(one_hot.astype(mx.float32), draft, self.eos_array)
+            result = accept_greedy(
+                one_hot.astype(mx.float32), draft, self.eos_array, fused=self.fused
+            )
         return result, logprobs
 
     def round(self, n: int, remaining: int) -> tuple[list[int], int, mx.array]:

@@ -217,18 +217,23 @@ def test_same_key_same_result_and_keys_matter():
     assert len(set(results)) > 5
 
 
-def test_key_discipline_is_the_documented_split():
-    # u_i = uniform(split(key)[0], [N]): the outcome is fixed by these uniforms.
-    probs = mx.softmax(mx.random.normal((4, 8), key=mx.random.key(10)), axis=-1)
-    q = mx.softmax(mx.random.normal((3, 8), key=mx.random.key(11)), axis=-1)
-    draft = ids(5, 0, 7)
-    p_d = np.array(probs)[np.arange(3), [5, 0, 7]]
-    q_d = np.array(q)[np.arange(3), [5, 0, 7]]
+def test_key_discipline_is_the_documented_one():
+    # u = uniform(key, [N + 1]); u[:N] decide acceptance: the outcome is fixed by these uniforms.
+    # Ratios p / q of 0.5, 0.71 and 0.4: each test can go either way.
+    probs = mx.array([[0.3, 0.7], [0.5, 0.5], [0.2, 0.8], [0.5, 0.5]])
+    q = mx.array([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5]])
+    draft = ids(0, 0, 0)
+    p_d, q_d = np.array([0.3, 0.5, 0.2], np.float32), np.array([0.6, 0.7, 0.5], np.float32)
+    other_rule = 0
     for i in range(30):
         key = mx.random.key(i)
-        u = np.array(mx.random.uniform(shape=(3,), key=mx.random.split(key)[0]))
+        u = np.array(mx.random.uniform(shape=(4,), key=key))[:3]
         expected = int(np.cumprod(u * q_d < p_d).sum())
         assert read(accept_sampled(probs, draft, q, None, key))[0] == expected
+        # Uniforms from another derivation of the key would give other counts: the check bites.
+        u_split = np.array(mx.random.uniform(shape=(3,), key=mx.random.split(key)[0]))
+        other_rule += int(np.cumprod(u_split * q_d < p_d).sum()) != expected
+    assert other_rule > 0
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])

@@ -487,8 +487,8 @@ def test_negative_control_resampling_from_the_target_fails(small_pair, monkeypat
     model, draft = small_pair
     expected = exact_joint(model, 1.0)
 
-    def without_residual(probs, tokens, draft_probs, eos, key):
-        result = accept_sampled(probs, tokens, draft_probs, eos, key)
+    def without_residual(probs, tokens, draft_probs, eos, key, **options):
+        result = accept_sampled(probs, tokens, draft_probs, eos, key, **options)
         row = mx.take(probs, result[0], axis=0)
         token = mx.random.categorical(mx.log(row), key=mx.random.split(key)[1])
         return mx.stack([result[0], token.astype(mx.uint32), result[2]])

@@ -1,0 +1,237 @@
+"""The fused CUDA kernels (``mlx_spec.fused``): their contract everywhere, their results on a GPU.
+
+Everywhere, the kernel launch is swapped for a reference launcher that runs the composition on what
+the kernel is handed (stand-ins for a missing draft or eos, the uniforms drawn from the key), so
+the plumbing of ``fused=True`` is tested on the CPU. Where MLX's CUDA backend runs
+(``scripts/gpu-check.sh``), the kernels themselves are checked against the composition on the same
+inputs, and the generation tests run them (the generation loop uses them on CUDA).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_spec import INVALID_ROW, accept_greedy, accept_sampled, acceptance, fused
+
+on_cuda = pytest.mark.skipif(not fused.available(), reason="needs MLX's CUDA backend and a GPU")
+
+
+def ids(*tokens: int, dtype: mx.Dtype = mx.uint32) -> mx.array:
+    return mx.array(list(tokens), dtype)
+
+
+def _raw(result: mx.array) -> list:
+    """The result as read, flags included (``read`` would raise on an invalid row)."""
+    return np.array(result).tolist()
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[mx.array], dict]]:
+    """Makes the kernels 'available' with a reference launcher: the composition under the
+    kernel's contract (stand-ins for a missing draft or eos). Records every launch built."""
+    calls: list[tuple[str, list[mx.array], dict]] = []
+
+    def reference(name: str, inputs: list[mx.array], template: list) -> mx.array:
+        t = dict(template)
+        calls.append((name, inputs, t))
+        if name == "greedy":
+            logits, draft, eos = inputs
+            n = logits.shape[0] - 1
+            return acceptance._greedy_graph(False)(logits, draft[:n], eos)
+        probs, q, draft, eos, u = inputs
+        n = probs.shape[0] - 1
+        q = q if t["HAS_Q"] else None
+        return acceptance.sampled_from_uniforms(probs, draft[:n], q, eos, u)
+
+    monkeypatch.setattr(fused, "launch", reference)
+    monkeypatch.setattr(fused, "available", lambda stream=None: True)
+    return calls
+
+
+def case(n: int, v: int, seed: int) -> dict[str, mx.array]:
+    """Logits, probabilities, draft distributions and a draft agreeing with the argmax at 70%."""
+    keys = mx.random.split(mx.random.key(seed), 3)
+    logits = 3 * mx.random.normal((n + 1, v), key=keys[0])
+    probs = mx.softmax(logits, axis=-1)
+    q = mx.softmax(3 * mx.random.normal((n, v), key=keys[1]), axis=-1)
+    if n == 0:
+        return {"logits": logits, "probs": probs, "q": q, "draft": mx.zeros((0,), mx.uint32)}
+    draft = mx.argmax(logits[:n], axis=-1).astype(mx.uint32)
+    flip = mx.random.bernoulli(0.3, draft.shape, key=keys[2])
+    draft = mx.where(flip, (draft + 1) % v, draft).astype(mx.uint32)
+    return {"logits": logits, "probs": probs, "q": q, "draft": draft}
+
+
+def test_fused_needs_the_cuda_backend() -> None:
+    c = case(2, 5, 0)
+    with pytest.raises(ValueError, match=r"accept_greedy: `fused=True` needs MLX's CUDA backend"):
+        accept_greedy(c["logits"], c["draft"], fused=True, stream=mx.cpu)
+    with pytest.raises(ValueError, match=r"accept_sampled: `fused=True` needs MLX's CUDA"):
+        accept_sampled(
+            c["probs"], c["draft"], None, None, mx.random.key(0), fused=True, stream=mx.cpu
+        )
+
+
+def test_fused_sampled_takes_vocabularies_up_to_2_to_the_24(launches) -> None:
+    probs = mx.zeros((1, fused.MAX_VOCAB + 1))
+    with pytest.raises(ValueError, match=r"accept_sampled: `fused=True` takes V <= 16777216"):
+        accept_sampled(probs, ids(), None, None, mx.random.key(0), fused=True)
+    assert launches == []
+
+
+@pytest.mark.parametrize("n", [0, 1, 3])
+@pytest.mark.parametrize("eos", [None, [2], [2, 4]])
+def test_the_kernel_contract_gives_the_composition(launches, n: int, eos: list | None) -> None:
+    # What the kernels are handed (stand-ins for a missing draft or eos, the uniforms of the key)
+    # decides as the composition does.
+    c = case(n, 7, n)
+    e = None if eos is None else mx.array(eos, mx.uint32)
+    for k in range(4):
+        key = mx.random.key(k)
+        for q in (c["q"], None):
+            got = accept_sampled(c["probs"], c["draft"], q, e, key, fused=True)
+            want = accept_sampled(c["probs"], c["draft"], q, e, key, fused=False)
+            assert _raw(got) == _raw(want)
+    greedy = accept_greedy(c["logits"], c["draft"], e, fused=True)
+    assert _raw(greedy) == _raw(accept_greedy(c["logits"], c["draft"], e, fused=False))
+    name, inputs, template = launches[-1]
+    assert name == "greedy" and inputs[0] is c["logits"]
+    assert inputs[1].shape == ((n,) if n else (1,))
+    assert _raw(inputs[2]) == (eos or [0xFFFFFFFF])
+    assert template == {"T": mx.float32, "D": mx.uint32, "ET": mx.uint32}
+
+
+def _greedy_inputs(n: int, v: int, dtype: mx.Dtype, seed: int) -> list[tuple]:
+    """Cases for one shape: agreeing prefixes of every length, ties, NaN rows, -inf rows,
+    out-of-vocabulary and negative ids, EOS sets."""
+    rng = np.random.default_rng(seed)
+    cases = []
+    for i in range(12):
+        scale = [0.5, 3.0, 30.0][i % 3]
+        rows = rng.standard_normal((n + 1, v)).astype(np.float32) * scale
+        if i % 4 == 1:
+            rows = np.round(rows)  # many ties
+        if i % 6 == 2:
+            rows[rng.integers(n + 1)] = -np.inf
+        if i % 5 == 3:
+            rows[rng.integers(n + 1), rng.integers(v)] = np.nan
+        logits = mx.array(rows).astype(dtype)
+        choice = np.array(mx.argmax(logits.astype(mx.float32), axis=-1))
+        agree = rng.integers(n + 1)
+        draft = np.where(np.arange(n) < agree, choice[:n], (choice[:n] + 1) % v).astype(np.int64)
+        if i % 7 == 4 and n:
+            draft[rng.integers(n)] = [v, -1, 2**31 - 1][i % 3]
+        draft_dtype = mx.int32 if i % 2 else mx.uint32
+        draft = mx.array(draft.astype(np.int32)).astype(draft_dtype)
+        eos = [None, ids(int(choice[0])), ids(int(choice[min(1, n)]), 7 % v)][i % 3]
+        cases.append((logits, draft, eos))
+    return cases
+
+
+@on_cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize(("n", "v"), [(0, 1), (1, 5), (8, 4099), (16, 152064), (40, 33)])
+def test_greedy_kernel_equals_the_composition(dtype, n: int, v: int) -> None:
+    for logits, draft, eos in _greedy_inputs(n, v, dtype, seed=n * 1000 + v):
+        assert _raw(accept_greedy(logits, draft, eos, fused=True)) == _raw(
+            accept_greedy(logits, draft, eos, fused=False)
+        )
+
+
+@on_cuda
+def test_greedy_kernel_reads_views() -> None:
+    out = 3 * mx.random.normal((2, 12, 3001), key=mx.random.key(1))
+    rows = out[1, -9:]  # the last N + 1 rows of a model's output, an offset view
+    draft = mx.argmax(rows[:8], axis=-1).astype(mx.uint32)
+    assert _raw(accept_greedy(rows, draft, fused=True)) == [8, int(mx.argmax(rows[8]).item()), 0]
+    transposed = mx.contiguous(rows.T).T  # [9, 3001] with column-major strides
+    assert _raw(accept_greedy(transposed, draft, fused=True)) == _raw(
+        accept_greedy(rows, draft, fused=False)
+    )
+
+
+@on_cuda
+def test_the_kernels_do_not_vmap() -> None:
+    # MLX 0.32 has no vmap rule for custom kernels: the documented limit, and the reason the
+    # composition is the default. If MLX adds one, this fails and the docs should change.
+    c = case(3, 50, 2)
+    logits = mx.stack([c["logits"], c["logits"]])
+    with pytest.raises(ValueError, match="CustomKernel"):
+        mx.vmap(lambda x: accept_greedy(x, c["draft"], fused=True))(logits)
+
+
+def _sampled_inputs(n: int, v: int, dtype: mx.Dtype, seed: int) -> list[tuple]:
+    rng = np.random.default_rng(seed)
+    cases = []
+    for i in range(10):
+        sharp = [1.0, 4.0, 12.0][i % 3]
+        p = mx.softmax(mx.array(rng.standard_normal((n + 1, v)).astype(np.float32) * sharp), -1)
+        q = mx.softmax(mx.array(rng.standard_normal((n, v)).astype(np.float32) * sharp), -1)
+        if i % 4 == 1:  # sparse supports, as after top-k
+            p = mx.where(mx.array(rng.random((n + 1, v)) < 0.2), p, 0)
+            p = p / mx.maximum(p.sum(-1, keepdims=True), 1e-30)
+        if i % 5 == 2 and n:
+            p = mx.concatenate([p[:1] * mx.nan, p[1:]])
+        draft = mx.array(np.array(mx.argmax(q, -1)) if n else np.zeros(0), mx.uint32)
+        if i % 3 == 0 and n:
+            draft = mx.array(np.array(mx.argmax(p[:n], -1)), mx.uint32)
+        eos = [None, ids(3 % v), ids(1 % v, 4 % v)][i % 3]
+        cases.append((p.astype(dtype), draft, q.astype(dtype), eos))
+    return cases
+
+
+@on_cuda
+@pytest.mark.parametrize(
+    ("dtype", "n", "v"),
+    [
+        (mx.float32, 0, 1),
+        (mx.float32, 1, 6),
+        (mx.bfloat16, 8, 4099),
+        (mx.float32, 16, 152064),
+        (mx.bfloat16, 40, 37),
+    ],
+)
+def test_sampled_kernel_equals_the_composition(dtype, n: int, v: int) -> None:
+    # Same uniforms, so the same acceptance; `next` may differ only where the two paths' sums
+    # round differently around the uniform's quantile (a chance of about 1e-6 per draw).
+    same = total = 0
+    for probs, draft, q, eos in _sampled_inputs(n, v, dtype, seed=n * 1000 + v):
+        for with_q in (q, None):
+            for k in range(3):
+                key = mx.random.key(100 * k + n)
+                got = _raw(accept_sampled(probs, draft, with_q, eos, key, fused=True))
+                want = _raw(accept_sampled(probs, draft, with_q, eos, key, fused=False))
+                assert got[0] == want[0]
+                assert (got[1] >= INVALID_ROW) == (want[1] >= INVALID_ROW)
+                same += got == want
+                total += 1
+    assert same >= total - 1, f"{total - same} of {total} differ"
+
+
+@on_cuda
+@pytest.mark.parametrize("with_q", [True, False])
+def test_sampled_kernel_emits_the_target_distribution(with_q: bool) -> None:
+    # 20,000 verifications (keys 0..19999, drafts drawn with numpy's seed 0) at V = 6, N = 2: the
+    # first emitted token (the draft token when accepted, else `next`) has distribution p_0, also
+    # for a deterministic draft (a point mass on whatever token it is). A control: the same
+    # counts against p_0 mixed with 10% of q_0 (noncentrality 107) must fail.
+    from scipy.stats import chisquare
+
+    samples, v = 20_000, 6
+    rng = np.random.default_rng(0)
+    p = mx.softmax(mx.array(rng.standard_normal((3, v)).astype(np.float32)), axis=-1)
+    q = mx.softmax(mx.array(rng.standard_normal((2, v)).astype(np.float32)), axis=-1)
+    p0, q0 = np.array(p[0], np.float64), np.array(q[0], np.float64)
+    firsts = rng.choice(v, size=samples, p=q0 / q0.sum())
+    counts = np.zeros(v)
+    for k in range(samples):
+        draft = ids(int(firsts[k]), int(firsts[k]))
+        accepted, token, _ = _raw(
+            accept_sampled(p, draft, q if with_q else None, None, mx.random.key(k), fused=True)
+        )
+        counts[firsts[k] if accepted else token] += 1
+    assert chisquare(counts, p0 / p0.sum() * samples).pvalue > 1e-3
+    wrong = 0.9 * p0 + 0.1 * q0
+    assert chisquare(counts, wrong / wrong.sum() * samples).pvalue < 1e-6
