@@ -13,12 +13,14 @@ median latency (interleaved repeats, one run) of:
 - oracle: the plain-loop NumPy oracle of the test suite (with ``--oracle``; it is slow);
 - torch: where PyTorch sees a CUDA GPU and MLX runs on the GPU, the same acceptance written the
   way vLLM's rejection sampler does it (argmax, compare, cumprod; ratio test, residual,
-  exponential-race sampling), on the same GPU.
+  exponential-race sampling), on the same GPU;
+- fused: where MLX runs on CUDA, mlx-spec's fused kernels (``fused=True``: one launch each).
 
 The cases and their timing live in :mod:`mlx_spec.bench` (``mlx-spec bench`` runs them too, and
 plots them); this script adds the oracle.
 
-Usage: ``python benchmarks/acceptance.py [--quick] [--repeats R] [--oracle] [--json FILE]``.
+Usage: ``python benchmarks/acceptance.py [--quick] [--vocabs V ...] [--drafts N ...] [--repeats R]
+[--oracle] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -51,11 +53,14 @@ def _add_oracle(v: int, n: int, cases: dict) -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="V = 152064 and N = 8 only")
+    parser.add_argument("--vocabs", type=int, nargs="+", help=f"vocabulary sizes ({VOCABS})")
+    parser.add_argument("--drafts", type=int, nargs="+", help=f"draft lengths ({DRAFTS})")
     parser.add_argument("--repeats", type=int, default=25, help="interleaved repeats per case")
     parser.add_argument("--oracle", action="store_true", help="also time the NumPy oracle")
     parser.add_argument("--json", type=Path, help="write the raw medians (seconds) here")
     args = parser.parse_args(argv)
-    configs = [(152064, 8)] if args.quick else [(v, n) for v in VOCABS for n in DRAFTS]
+    vocabs, drafts = args.vocabs or VOCABS, args.drafts or DRAFTS
+    configs = [(152064, 8)] if args.quick else [(v, n) for v in vocabs for n in drafts]
     print(
         f"mlx {mx.__version__}, device {mx.default_device()}, {platform.machine()} "
         f"{platform.system()}; medians of {args.repeats} interleaved repeats; times in ms; "

@@ -1,9 +1,11 @@
 """How many kernels does one verification launch? Counted from MLX's graph, before evaluation.
 
 On a GPU a verification costs kernel launches more than passes over memory, so the number of
-primitives that run (after ``mx.compile`` has fused element-wise chains) is the cost to cut. The
-graph is exported with ``mx.export_to_dot`` and its primitive nodes are counted; views that launch
-nothing (reshape, squeeze, broadcast, slice, ...) are listed apart.
+primitives that run (after ``mx.compile`` has fused element-wise chains) is the cost to cut. Where
+MLX runs on CUDA, the fused kernels (``fused=True``, one ``CustomKernel`` each) are counted too.
+The graph is exported with ``mx.export_to_dot`` and its
+primitive nodes are counted; views that launch nothing (reshape, squeeze, broadcast, slice, ...)
+are listed apart.
 
 Usage: ``python benchmarks/kernels.py [--vocab V] [--draft N]``.
 """
@@ -17,7 +19,7 @@ from collections import Counter
 
 import mlx.core as mx
 
-from mlx_spec import accept_greedy, accept_sampled
+from mlx_spec import accept_greedy, accept_sampled, fused
 
 VIEWS = {"Reshape", "Squeeze", "ExpandDims", "Broadcast", "Slice", "Transpose", "AsStrided"}
 
@@ -46,6 +48,15 @@ def kernel_counts(v: int, n: int) -> dict[str, tuple[int, int, Counter]]:
         "accept_sampled none": accept_sampled(probs, draft, None, None, key),
         "accept_sampled q eos": accept_sampled(probs, draft, q, eos, key),
     }
+    if fused.available():
+        graphs.update(
+            {
+                "fused greedy": accept_greedy(rows, draft, fused=True),
+                "fused greedy eos": accept_greedy(rows, draft, eos, fused=True),
+                "fused sampled q": accept_sampled(probs, draft, q, None, key, fused=True),
+                "fused sampled none": accept_sampled(probs, draft, None, None, key, fused=True),
+            }
+        )
     counts = {}
     for name, out in graphs.items():
         prims = primitives(out)

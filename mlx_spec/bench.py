@@ -33,6 +33,7 @@ import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
+from . import fused
 from .acceptance import accept_greedy, accept_sampled, read
 from .generation import SpeculativeStats, speculative_generate_step
 from .sampling import make_sampler
@@ -140,8 +141,9 @@ def acceptance_cases(v: int, n: int) -> dict[str, Callable[[], object]]:
         ``floor bf16``, ``greedy``, ``mlx-lm greedy``, ``floor f32``, ``sampled q`` (with
         ``draft_probs``), ``sampled none`` (deterministic drafts), ``mlx-lm sampled``,
         ``nan check`` (what reporting a NaN row costs ``accept_greedy``: a gather of one value
-        per row at its argmax and ``isnan``, + a read) and the ``torch ...`` peers where
-        PyTorch sees a CUDA GPU.
+        per row at its argmax and ``isnan``, + a read), the ``torch ...`` peers where PyTorch
+        sees a CUDA GPU and, where MLX runs on CUDA, mlx-spec's fused kernels (``fused ...``,
+        ``fused=True``).
     """
     rng = np.random.default_rng(v + n)
     logits_np = (rng.standard_normal((n + 1, v), dtype=np.float32) * 4).astype(np.float32)
@@ -165,6 +167,14 @@ def acceptance_cases(v: int, n: int) -> dict[str, Callable[[], object]]:
         "sampled none": lambda: read(accept_sampled(probs, draft, None, None, key)),
         "mlx-lm sampled": lambda: _mlx_lm_sampled(logits, draft),
     }
+    if fused.available():
+        cases["fused greedy"] = lambda: read(accept_greedy(logits, draft, fused=True))
+        cases["fused sampled q"] = lambda: read(
+            accept_sampled(probs, draft, q, None, key, fused=True)
+        )
+        cases["fused sampled none"] = lambda: read(
+            accept_sampled(probs, draft, None, None, key, fused=True)
+        )
     cases.update(
         _torch_peers(
             np.array(logits.astype(mx.float32)), np.array(probs), np.array(q), np.array(draft)
@@ -214,7 +224,7 @@ def acceptance_table(rows: Sequence[dict[str, Any]]) -> str:
         f"{'speedup':>7} | {'floor32':>8} {'samp q':>8} {'x floor':>7} {'samp -':>8} "
         f"{'x floor':>7} {'mlx-lm':>8} {'speedup':>7} | {'nan chk':>8} {'x floor':>7}"
     )
-    extra = [k for k in rows[0] if k.startswith(("oracle", "torch"))]
+    extra = [k for k in rows[0] if k.startswith(("oracle", "fused", "torch"))]
     head += "".join(f" | {k:>18}" for k in extra)
     lines = [head, "-" * len(head)]
     for r in rows:
