@@ -100,9 +100,15 @@ __device__ void ms_row_argmax(const T* row, int V, uint32_t& index, bool& has_na
   __syncthreads();
 }
 
+// One block does the work; any other block leaves at once.
+__device__ __forceinline__ bool ms_first_block() {
+  return blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
+}
+
 template <typename T, typename D, typename ET>
 __device__ void ms_greedy(const T* logits, const D* draft, const ET* eos, uint32_t* out, int N,
                           int V, int E) {
+  if (!ms_first_block()) return;
   uint32_t accepted = 0, token = 0;
   bool eos_in_draft = false;
   for (int r = 0; r <= N; ++r) {
@@ -213,6 +219,7 @@ __device__ void ms_sampled(const T* probs, const Q* q, const D* draft, const ET*
   __shared__ int s_columns;
   __shared__ uint32_t s_accepted;
   __shared__ bool s_eos_in_draft, s_nan_draft;
+  if (!ms_first_block()) return;
   const int t = threadIdx.x;
   if (t == 0) s_columns = ms_block_count(V);
 

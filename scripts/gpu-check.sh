@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The GPU machine's check (MLX's CUDA backend on an NVIDIA GPU): the test suite with the GPU as MLX's
-# default device, so the fused CUDA kernels are the default path, one test file at a time (each with
-# its own time limit, so one slow file cannot hide the others' results), then the kernel counts and
-# the acceptance benchmark (with the composition and the PyTorch peer) at V = 152064, N = 4, 8, 16.
+# default device (the fused kernels run in tests/test_fused.py, in the oracle property tests and in
+# the generation loop), one test file at a time (each with
+# its own time limit, so one slow file cannot hide the others' results), then the kernel counts, the
+# acceptance benchmark (with the fused kernels and the PyTorch peer) at V = 152064, N = 4, 8, 16, and
+# the greedy-kernel candidates (benchmarks/fused_greedy.py).
 # A summary line per test file comes last.
 # Run from the repo root after MLX's CUDA build is installed (../shared/tools/mlx-cuda/README.md);
 # logs go to $OUT (or /tmp/gpu-check).
-# Usage: bash scripts/gpu-check.sh [--no-bench] [--limit SECONDS] [TEST_FILE ...]
-#   (no files: every tests/test_*.py; --no-bench: the tests only; no files and --bench-only: the
-#   kernel counts and benchmark only)
+# Usage: bash scripts/gpu-check.sh [--no-bench | --bench-only] [--limit SECONDS] [TEST_FILE ...]
+#   (no files: every tests/test_*.py; --no-bench: the tests only; --bench-only: the kernel counts
+#   and benchmarks only). The whole suite takes longer than one device call: give it in parts.
 set -uo pipefail
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
@@ -48,5 +50,6 @@ if [ "$bench" = 1 ]; then
   timeout 60 python3 benchmarks/kernels.py 2>&1 | tee "$out/kernels.txt" | cut -c1-60
   timeout 240 python3 benchmarks/acceptance.py --vocabs 152064 --drafts 4 8 16 --repeats 30 \
     --json "$out/acceptance.json" 2>/dev/null | tee "$out/acceptance.txt"
+  timeout 120 python3 benchmarks/fused_greedy.py 2>&1 | tee "$out/fused_greedy.txt"
 fi
 printf '\n%s' "$summary"

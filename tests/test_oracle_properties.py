@@ -4,6 +4,10 @@ Hypothesis draws the structure of a case (N in 0..16, V in 1..4096, dtype, layou
 EOS set, how often the draft agrees with the target) and a seed; NumPy builds the arrays from
 the seed. The oracle always sees the values MLX sees: the input cast to float32 after its own
 dtype conversion, so ties created by float16/bfloat16 rounding are judged identically.
+
+Where MLX runs on CUDA, every case also runs the fused kernels (``fused=True``) against the same
+oracle; there a tenth of the examples run, since each new shape compiles the composition's kernels
+at run time (seconds each): the GPU run checks the backend, the CPU run the breadth.
 """
 
 from dataclasses import dataclass
@@ -21,7 +25,15 @@ from oracle import (
     oracle_sampled,
 )
 
-from mlx_spec import accept_greedy, accept_sampled
+from mlx_spec import accept_greedy, accept_sampled, fused
+
+ON_CUDA = fused.available()
+
+
+def _examples(n: int) -> int:
+    """``n`` examples on the CPU, a tenth (at least 10) where MLX runs on CUDA."""
+    return max(10, n // 10) if ON_CUDA else n
+
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 LAYOUTS = ("contiguous", "slice", "transposed", "strided")
@@ -303,16 +315,19 @@ def _check_greedy(shape: Shape) -> None:
     expected = oracle_greedy(seen, draft, eos)
     event(f"greedy accepted {_bucket(expected[0], shape.n)}")
     assert (int(out[0]), int(out[1]), bool(out[2])) == expected
+    if ON_CUDA:
+        kernel = np.array(accept_greedy(logits, mx.array(draft), _ids(eos), fused=True))
+        assert kernel.tolist() == out.tolist()
 
 
-@settings(max_examples=400)
+@settings(max_examples=_examples(400))
 @given(shape=_shapes(FEW_N, ALL_VOCABS))
 def test_greedy_equals_oracle(shape):
     _check_greedy(shape)
 
 
 @pytest.mark.slow
-@settings(max_examples=500)
+@settings(max_examples=_examples(500))
 @given(shape=_shapes(ALL_N, ALL_VOCABS))
 def test_greedy_equals_oracle_over_all_shapes(shape):
     """The same comparison over every N in 0..16 (heavy: one compile per N and id dtypes)."""
@@ -371,19 +386,24 @@ def _check_sampled(shape: Shape, drafter: str, q_dtype: str, q_layout: str, shar
     key = mx.random.key(shape.seed)
 
     out = np.array(accept_sampled(probs, mx.array(draft), draft_probs, _ids(eos), key))
+    results = [out]
+    if ON_CUDA:
+        kernel = accept_sampled(probs, mx.array(draft), draft_probs, _ids(eos), key, fused=True)
+        results.append(np.array(kernel))
 
     # The uniforms, derived from the key as the key discipline specifies.
     uniforms = np.array(mx.random.uniform(shape=(n + 1,), key=key))[:n]
     expected = oracle_sampled(p, draft, q, eos, uniforms)
-    _assert_consistent(out, draft, eos, vocab)
-    accepted, following, hit = (int(t) for t in out)
     event(f"sampled accepted {_bucket(expected.accepted, n)}")
-    assert accepted == expected.accepted
-    assert expected.row[following] > 0, f"next {following} is outside the support of its row"
-    assert bool(hit) == oracle_eos_hit(draft, accepted, following, eos)
+    for result in results:  # the composition, and the fused kernel on CUDA
+        _assert_consistent(result, draft, eos, vocab)
+        accepted, following, hit = (int(t) for t in result)
+        assert accepted == expected.accepted
+        assert expected.row[following] > 0, f"next {following} is outside the support of its row"
+        assert bool(hit) == oracle_eos_hit(draft, accepted, following, eos)
 
 
-@settings(max_examples=60)
+@settings(max_examples=_examples(60))
 @given(
     shape=_shapes(FEW_N, FEW_VOCABS),
     drafter=drafters,
@@ -396,7 +416,7 @@ def test_sampled_matches_oracle_for_the_same_uniforms(shape, drafter, q_dtype, q
 
 
 @pytest.mark.slow
-@settings(max_examples=200)
+@settings(max_examples=_examples(200))
 @given(
     shape=_shapes(ALL_N, ALL_VOCABS),
     drafter=drafters,
