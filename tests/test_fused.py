@@ -12,8 +12,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from kernel_reference import reference_launch
 
-from mlx_spec import INVALID_ROW, accept_greedy, accept_sampled, acceptance, fused
+from mlx_spec import INVALID_ROW, accept_greedy, accept_sampled, fused
 
 on_cuda = pytest.mark.skipif(not fused.available(), reason="needs MLX's CUDA backend and a GPU")
 
@@ -29,23 +30,14 @@ def _raw(result: mx.array) -> list:
 
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[mx.array], dict]]:
-    """Makes the kernels 'available' with a reference launcher: the composition under the
-    kernel's contract (stand-ins for a missing draft or eos). Records every launch built."""
+    """Makes the kernels 'available' with the reference launcher; records every launch built."""
     calls: list[tuple[str, list[mx.array], dict]] = []
 
-    def reference(name: str, inputs: list[mx.array], template: list) -> mx.array:
-        t = dict(template)
-        calls.append((name, inputs, t))
-        if name == "greedy":
-            logits, draft, eos = inputs
-            n = logits.shape[0] - 1
-            return acceptance._greedy_graph(False)(logits, draft[:n], eos)
-        probs, q, draft, eos, u = inputs
-        n = probs.shape[0] - 1
-        q = q if t["HAS_Q"] else None
-        return acceptance.sampled_from_uniforms(probs, draft[:n], q, eos, u)
+    def recorded(name: str, inputs: list[mx.array], template: list) -> mx.array:
+        calls.append((name, inputs, dict(template)))
+        return reference_launch(name, inputs, template)
 
-    monkeypatch.setattr(fused, "launch", reference)
+    monkeypatch.setattr(fused, "launch", recorded)
     monkeypatch.setattr(fused, "available", lambda stream=None: True)
     return calls
 

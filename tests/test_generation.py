@@ -17,6 +17,7 @@ import warnings
 import mlx.core as mx
 import numpy as np
 import pytest
+from kernel_reference import reference_launch
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
@@ -25,6 +26,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 from scipy import stats as scipy_stats
 
 import mlx_spec.generation as spec_generation
+from mlx_spec import fused
 from mlx_spec.acceptance import accept_sampled, read
 from mlx_spec.generation import (
     SpeculativeResponse,
@@ -355,6 +357,29 @@ def test_same_key_same_tokens_and_seed_works(target, drafts) -> None:
     mx.random.seed(11)
     e, _, _ = run(*args, sampler=sampler, max_tokens=40)
     assert d == e
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_loop_verifies_with_the_fused_kernels_where_they_run(monkeypatch, target, drafts, temp):
+    # On CUDA the loop passes fused=True; here the kernels are a launcher that runs the
+    # composition on the kernels' inputs: every round goes through it, with the same tokens.
+    args = (PROMPT, target, drafts["truncated"])
+    options = dict(sampler=make_sampler(temp=temp), max_tokens=40, key=mx.random.key(7))
+    plain, _, _ = run(*args, **options)
+    launched = []
+
+    def recorded(name, inputs, template):
+        launched.append(name)
+        return reference_launch(name, inputs, template)
+
+    monkeypatch.setattr(fused, "launch", recorded)
+    monkeypatch.setattr(fused, "available", lambda stream=None: True)
+    tokens, _, stats = run(*args, **options)
+    assert tokens == plain
+    expected = "greedy" if temp == 0 else "sampled"
+    # The sampled graph is compiled: its launch is built once, when its shape is first traced.
+    assert launched and set(launched) == {expected}
+    assert expected == "sampled" or len(launched) == stats.rounds
 
 
 def test_self_draft_is_always_accepted_at_temperature_one(target) -> None:
