@@ -442,3 +442,32 @@ def test_sampled_errors_name_the_argument(kwargs, pattern):
     }
     with pytest.raises(ValueError, match="accept_sampled: " + pattern):
         accept_sampled(**args)
+
+
+@pytest.mark.skipif(
+    not (mx.cuda.is_available() or mx.metal.is_available()), reason="needs a GPU beside the CPU"
+)
+def test_the_cpu_and_the_gpu_decide_alike_for_the_same_key():
+    # MLX draws the same uniforms for a key on every device, so a verification's result does not
+    # depend on where it runs; only `next` may differ where the devices' sums round differently
+    # at the uniform's quantile (about 1e-6 per draw).
+    rng = np.random.default_rng(3)
+    same = 0
+    for i in range(40):
+        logits = mx.array(rng.standard_normal((9, 3001)).astype(np.float32) * 3)
+        probs = mx.softmax(logits, axis=-1)
+        q = mx.softmax(mx.array(rng.standard_normal((8, 3001)).astype(np.float32) * 3), axis=-1)
+        draft = mx.argmax(q, axis=-1).astype(mx.uint32)
+        key = mx.random.key(i)
+        results = [
+            (
+                read(accept_greedy(logits.astype(mx.bfloat16), draft, stream=device)),
+                read(accept_sampled(probs, draft, q, None, key, stream=device)),
+            )
+            for device in (mx.cpu, mx.gpu)
+        ]
+        (greedy_cpu, sampled_cpu), (greedy_gpu, sampled_gpu) = results
+        assert greedy_cpu == greedy_gpu
+        assert sampled_cpu[0] == sampled_gpu[0]
+        same += sampled_cpu == sampled_gpu
+    assert same >= 39
