@@ -51,8 +51,9 @@ def _on_cpu(stream: StreamOrDevice) -> bool:
     return kind == mx.DeviceType.cpu
 
 
-def _use_fused(op: str, fused: bool, stream: StreamOrDevice, v: int) -> bool:
-    """Checks that ``op`` can run the fused kernel when asked to; returns ``fused``."""
+def _use_fused(op: str, fused: bool, stream: StreamOrDevice, vocab: int | None = None) -> bool:
+    """Checks that ``op`` can run the fused kernel when asked to (on ``stream``, and for rows of
+    ``vocab`` tokens where the kernel has a limit); returns ``fused``."""
     if not fused:
         return False
     if not fused_kernels.available(stream):
@@ -61,9 +62,9 @@ def _use_fused(op: str, fused: bool, stream: StreamOrDevice, v: int) -> bool:
             f"{op}: `fused=True` needs MLX's CUDA backend and a GPU stream, got {where} "
             f"(CUDA available: {mx.cuda.is_available()})"
         )
-    if v > fused_kernels.MAX_VOCAB:
+    if vocab is not None and vocab > fused_kernels.MAX_VOCAB:
         raise ValueError(
-            f"{op}: `fused=True` takes V <= {fused_kernels.MAX_VOCAB}, got V = {v}; "
+            f"{op}: `fused=True` takes V <= {fused_kernels.MAX_VOCAB}, got V = {vocab}; "
             "use the composition (fused=False)"
         )
     return True
@@ -171,11 +172,11 @@ def accept_greedy(
             the kernel cannot run; the message names it.
     """
     op = "accept_greedy"
-    n, v = check_rows(op, "logits", logits)
+    n, _ = check_rows(op, "logits", logits)
     draft = check_ids(op, "draft", draft, n)
     eos = check_eos(op, eos)
     with _on(stream):
-        if _use_fused(op, fused, stream, v):
+        if _use_fused(op, fused, stream):
             return fused_kernels.greedy(
                 logits, draft if n else _no_id(), _no_id() if eos is None else eos
             )
