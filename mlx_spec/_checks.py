@@ -1,13 +1,15 @@
-"""Argument validation shared by the public ops.
+"""Argument handling shared by the public ops.
 
 Every check reads shapes and dtypes only (never values), so it is free, works on lazy arrays and
 under ``mx.vmap`` and ``mx.compile``, and its error names the function, the argument, its shape
-and its dtype.
+and its dtype. :func:`device_type` resolves the ops' ``stream`` argument.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+
+StreamOrDevice = mx.Stream | mx.Device | mx.DeviceType | None
 
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 ID_DTYPES = (mx.uint32, mx.int32)
@@ -84,3 +86,12 @@ def check_key(op: str, key: object) -> mx.array:
             f"{op}: `key` must be a [2] uint32 key from mx.random.key, got {describe(key)}"
         )
     return key
+
+
+def device_type(stream: StreamOrDevice) -> mx.DeviceType:
+    """The kind of device ``stream`` runs on (the default device's for ``None``)."""
+    if stream is None:
+        stream = mx.default_device()
+    if isinstance(stream, mx.Stream):
+        stream = stream.device
+    return stream if isinstance(stream, mx.DeviceType) else stream.type

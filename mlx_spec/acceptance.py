@@ -23,9 +23,17 @@ import mlx.core as mx
 import numpy as np
 
 from . import fused as fused_kernels
-from ._checks import check_draft_probs, check_eos, check_ids, check_key, check_rows, describe
+from ._checks import (
+    StreamOrDevice,
+    check_draft_probs,
+    check_eos,
+    check_ids,
+    check_key,
+    check_rows,
+    describe,
+    device_type,
+)
 
-StreamOrDevice = mx.Stream | mx.Device | mx.DeviceType | None
 Verdict = tuple[int, int, bool]
 
 #: ``next`` carries this bit when the row that decided the result was not a valid row (a NaN in the
@@ -40,15 +48,6 @@ def _on(stream: StreamOrDevice) -> Iterator[None]:
     else:
         with mx.stream(stream):
             yield
-
-
-def _on_cpu(stream: StreamOrDevice) -> bool:
-    if stream is None:
-        stream = mx.default_device()
-    if isinstance(stream, mx.Stream):
-        stream = stream.device
-    kind = stream if isinstance(stream, mx.DeviceType) else stream.type
-    return kind == mx.DeviceType.cpu
 
 
 def _use_fused(op: str, fused: bool, stream: StreamOrDevice, vocab: int | None = None) -> bool:
@@ -180,7 +179,7 @@ def accept_greedy(
             return fused_kernels.greedy(
                 logits, draft if n else _no_id(), _no_id() if eos is None else eos
             )
-        return _greedy_graph(_on_cpu(stream))(logits, draft, eos)
+        return _greedy_graph(device_type(stream) == mx.DeviceType.cpu)(logits, draft, eos)
 
 
 @cache

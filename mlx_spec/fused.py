@@ -23,6 +23,8 @@ from functools import cache
 
 import mlx.core as mx
 
+from ._checks import StreamOrDevice, device_type
+
 THREADS = 1024  # one block per verification; the sources assume 32 full warps
 
 _HEADER = r"""
@@ -353,16 +355,9 @@ _SAMPLED = (
 MAX_VOCAB = 1 << 24
 
 
-def available(stream: mx.Stream | mx.Device | mx.DeviceType | None = None) -> bool:
+def available(stream: StreamOrDevice = None) -> bool:
     """Whether the fused kernels can run on ``stream`` (MLX's CUDA backend, a GPU stream)."""
-    if not mx.cuda.is_available():
-        return False
-    if stream is None:
-        stream = mx.default_device()
-    if isinstance(stream, mx.Stream):
-        stream = stream.device
-    kind = stream if isinstance(stream, mx.DeviceType) else stream.type
-    return kind == mx.DeviceType.gpu
+    return mx.cuda.is_available() and device_type(stream) == mx.DeviceType.gpu
 
 
 @cache
