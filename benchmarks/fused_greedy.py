@@ -67,7 +67,7 @@ __device__ void ms_slice_argmax(const T* logits, float* part_max, uint32_t* part
 }
 """
 DECIDE_SOURCE = r"""
-// One warp: combine the S slices of row 0, 1, ... and decide as ms_greedy does.
+// One warp: combine the S slices of row 0, 1, ... and decide with ms_greedy's own row step.
 template <typename D, typename ET>
 __device__ void ms_decide(const float* part_max, const uint32_t* part_at, const D* draft,
                           const ET* eos, uint32_t* out, int R, int S, int E) {
@@ -91,18 +91,12 @@ __device__ void ms_decide(const float* part_max, const uint32_t* part_at, const 
     }
     const uint32_t choice = __shfl_sync(0xFFFFFFFFu, at, 0);
     nan = __any_sync(0xFFFFFFFFu, nan);
-    accepted = r;
-    token = nan ? (MS_INVALID | (uint32_t)r) : choice;
-    if (r == R - 1 || eos_in_draft) break;
-    const uint32_t d = (uint32_t)draft[r];
-    if (nan || d != choice) break;
-    eos_in_draft = ms_is_eos<ET>(d, eos, E);
+    if (!ms_greedy_row<D, ET>(r, R - 1, choice, nan, draft, eos, E, accepted, token,
+                              eos_in_draft)) {
+      break;
+    }
   }
-  if (lane == 0) {
-    out[0] = accepted;
-    out[1] = token;
-    out[2] = (eos_in_draft || ms_is_eos<ET>(token, eos, E)) ? 1u : 0u;
-  }
+  if (lane == 0) ms_write<ET>(out, accepted, token, eos_in_draft, eos, E);
 }
 """
 

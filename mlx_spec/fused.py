@@ -107,6 +107,32 @@ __device__ __forceinline__ bool ms_first_block() {
   return blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0;
 }
 
+// The [accepted, next, eos_hit] result.
+template <typename ET>
+__device__ __forceinline__ void ms_write(uint32_t* out, uint32_t accepted, uint32_t token,
+                                         bool eos_in_draft, const ET* eos, int E) {
+  out[0] = accepted;
+  out[1] = token;
+  out[2] = (eos_in_draft || ms_is_eos<ET>(token, eos, E)) ? 1u : 0u;
+}
+
+// Greedy acceptance, row r of N + 1 given its argmax and whether it holds a NaN: updates the
+// result and says whether the rows after it are needed.
+template <typename D, typename ET>
+__device__ __forceinline__ bool ms_greedy_row(int r, int N, uint32_t choice, bool nan,
+                                              const D* draft, const ET* eos, int E,
+                                              uint32_t& accepted, uint32_t& token,
+                                              bool& eos_in_draft) {
+  accepted = r;
+  token = nan ? (MS_INVALID | (uint32_t)r) : choice;
+  // After an accepted end-of-sequence token, this row only supplies `next`.
+  if (r == N || eos_in_draft) return false;
+  const uint32_t d = (uint32_t)draft[r];
+  if (nan || d != choice) return false;
+  eos_in_draft = ms_is_eos<ET>(d, eos, E);
+  return true;
+}
+
 template <typename T, typename D, typename ET>
 __device__ void ms_greedy(const T* logits, const D* draft, const ET* eos, uint32_t* out, int N,
                           int V, int E) {
@@ -117,19 +143,11 @@ __device__ void ms_greedy(const T* logits, const D* draft, const ET* eos, uint32
     uint32_t choice;
     bool nan;
     ms_row_argmax<T>(logits + (size_t)r * V, V, choice, nan);
-    accepted = r;
-    token = nan ? (MS_INVALID | (uint32_t)r) : choice;
-    // After an accepted end-of-sequence token, this row only supplies `next`.
-    if (r == N || eos_in_draft) break;
-    const uint32_t d = (uint32_t)draft[r];
-    if (nan || d != choice) break;
-    eos_in_draft = ms_is_eos<ET>(d, eos, E);
+    if (!ms_greedy_row<D, ET>(r, N, choice, nan, draft, eos, E, accepted, token, eos_in_draft)) {
+      break;
+    }
   }
-  if (threadIdx.x == 0) {
-    out[0] = accepted;
-    out[1] = token;
-    out[2] = (eos_in_draft || ms_is_eos<ET>(token, eos, E)) ? 1u : 0u;
-  }
+  if (threadIdx.x == 0) ms_write<ET>(out, accepted, token, eos_in_draft, eos, E);
 }
 
 // Inclusive scan of one value per thread over the block; `carry` is added to every result.
@@ -334,10 +352,7 @@ __device__ void ms_sampled(const T* probs, const Q* q, const D* draft, const ET*
   if (t == 0) {
     const uint32_t index = min((uint32_t)col + (uint32_t)C * (uint32_t)depth, (uint32_t)V - 1);
     const bool bad = !isfinite(total) || !(total > 0.0f) || s_nan_draft;
-    const uint32_t token = bad ? (MS_INVALID | accepted) : index;
-    out[0] = accepted;
-    out[1] = token;
-    out[2] = (s_eos_in_draft || ms_is_eos<ET>(token, eos, E)) ? 1u : 0u;
+    ms_write<ET>(out, accepted, bad ? (MS_INVALID | accepted) : index, s_eos_in_draft, eos, E);
   }
 }
 """
