@@ -1,15 +1,16 @@
-"""Fused acceptance kernels for MLX's CUDA backend: one launch per verification.
+"""Fused acceptance kernels for MLX's CUDA backend: one or two launches per verification.
 
 On a GPU a verification costs kernel launches more than passes over memory. The composition of MLX
 ops in :mod:`mlx_spec.acceptance` stays the reference and the default; ``fused=True`` (and the
-generation loop, on CUDA) makes the same decisions in one ``mx.fast.cuda_kernel`` launch, one
-thread block of 1024 threads:
+generation loop, on CUDA) makes the same decisions with ``mx.fast.cuda_kernel`` launches:
 
-- greedy: the block takes the argmax of row 0, 1, ... and stops at the first mismatch, so it reads
-  ``accepted + 1`` rows, not ``N + 1``;
-- sampled: one warp runs the ratio tests, then the block draws ``next`` from the residual of the
-  deciding row by the composition's two-level inverse CDF, over the same strided blocks and with
-  the same uniform, so both paths give the same token up to the rounding of their sums.
+- greedy, two launches: the first takes the argmax of every 4096-column slice of every row, one
+  block of 256 threads per slice, so all ``N + 1`` rows are read at the bandwidth of the whole
+  chip; the second, one block, combines the slices row by row and stops at the first mismatch;
+- sampled, one launch of one 1024-thread block: one warp runs the ratio tests, then the block
+  draws ``next`` from the residual of the deciding row by the composition's two-level inverse CDF,
+  over the same strided blocks and with the same uniform, so both paths give the same token up to
+  the rounding of their sums.
 
 Shapes reach the kernels at run time, so each dtype combination compiles once. MLX (0.32) has no
 ``mx.vmap`` rule for custom kernels, and a kernel anywhere in a graph that ``mx.vmap`` traces
@@ -25,12 +26,16 @@ import mlx.core as mx
 
 from ._checks import StreamOrDevice, device_type
 
-THREADS = 1024  # one block per verification; the sources assume 32 full warps
+THREADS = 1024  # a one-block kernel's threads; the sources assume 32 full warps
+SLICE = 4096  # greedy: columns of a row per block of the first launch (MS_SLICE)
+SLICE_THREADS = 256  # greedy: threads per block of the first launch (MS_SLICE_THREADS)
 
 _HEADER = r"""
 #define MS_THREADS 1024
 #define MS_INVALID 0x80000000u
 #define MS_MAX_COLUMNS 4096
+#define MS_SLICE 4096
+#define MS_SLICE_THREADS 256
 
 __device__ __forceinline__ float ms_float(float x) { return x; }
 __device__ __forceinline__ float ms_float(__half x) { return __half2float(x); }
@@ -48,58 +53,57 @@ __device__ __forceinline__ void ms_keep_max(float& best, uint32_t& at, float x, 
   if (x > best || (x == best && i < at)) { best = x; at = i; }
 }
 
-// Argmax of one row by the whole block, and whether the row holds a NaN (then the index is
-// meaningless). 16-byte loads when the row is aligned.
+// The argmax of one slice of a row (block b: row b / S, columns [s L, s L + L), s = b % S,
+// L = ceil(V / S) rounded up to 8), as the slice's maximum (NaN when the slice holds a NaN) and its
+// first index. 16-byte loads when the rows are aligned.
 template <typename T>
-__device__ void ms_row_argmax(const T* row, int V, uint32_t& index, bool& has_nan) {
-  __shared__ float s_best[32];
-  __shared__ uint32_t s_at[32];
-  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+__device__ void ms_slice_argmax(const T* logits, float* part_max, uint32_t* part_at, int R,
+                                int V) {
+  __shared__ float s_best[MS_SLICE_THREADS / 32];
+  __shared__ uint32_t s_at[MS_SLICE_THREADS / 32];
+  const int S = (V + MS_SLICE - 1) / MS_SLICE;
+  const int b = blockIdx.x;
+  if (b >= R * S) return;
+  const int r = b / S, s = b % S, t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int width = ((V + S - 1) / S + 7) / 8 * 8;
+  const int lo = min(V, s * width), hi = min(V, lo + width);
+  const T* row = logits + (size_t)r * V;
   float best = __int_as_float(0xFF800000);  // -inf
   uint32_t at = 0xFFFFFFFFu;
   bool nan = false;
   constexpr int W = 16 / sizeof(T);
-  if (V % W == 0 && (reinterpret_cast<size_t>(row) & 15) == 0) {
+  if (V % W == 0 && (reinterpret_cast<size_t>(logits) & 15) == 0) {
     const uint4* chunks = reinterpret_cast<const uint4*>(row);
-#pragma unroll 4
-    for (int k = t; k < V / W; k += MS_THREADS) {
+    for (int k = lo / W + t; k < hi / W; k += MS_SLICE_THREADS) {
       uint4 raw = chunks[k];
       const T* xs = reinterpret_cast<const T*>(&raw);
 #pragma unroll
       for (int j = 0; j < W; ++j) {
-        float x = ms_float(xs[j]);
+        const float x = ms_float(xs[j]);
         nan |= isnan(x);
         ms_keep_max(best, at, x, k * W + j);
       }
     }
   } else {
 #pragma unroll 4
-    for (int k = t; k < V; k += MS_THREADS) {
-      float x = ms_float(row[k]);
+    for (int k = lo + t; k < hi; k += MS_SLICE_THREADS) {
+      const float x = ms_float(row[k]);
       nan |= isnan(x);
       ms_keep_max(best, at, x, k);
     }
   }
   for (int d = 16; d > 0; d >>= 1) {
-    float other = __shfl_down_sync(0xFFFFFFFFu, best, d);
-    uint32_t other_at = __shfl_down_sync(0xFFFFFFFFu, at, d);
+    const float other = __shfl_down_sync(0xFFFFFFFFu, best, d);
+    const uint32_t other_at = __shfl_down_sync(0xFFFFFFFFu, at, d);
     ms_keep_max(best, at, other, other_at);
   }
   if (lane == 0) { s_best[warp] = best; s_at[warp] = at; }
-  has_nan = __syncthreads_or(nan);
-  if (warp == 0) {
-    best = s_best[lane];
-    at = s_at[lane];
-    for (int d = 16; d > 0; d >>= 1) {
-      float other = __shfl_down_sync(0xFFFFFFFFu, best, d);
-      uint32_t other_at = __shfl_down_sync(0xFFFFFFFFu, at, d);
-      ms_keep_max(best, at, other, other_at);
-    }
-    if (lane == 0) s_at[0] = at;
+  nan = __syncthreads_or(nan);
+  if (t == 0) {
+    for (int w = 1; w < MS_SLICE_THREADS / 32; ++w) ms_keep_max(best, at, s_best[w], s_at[w]);
+    part_max[b] = nan ? __int_as_float(0x7FC00000) : best;
+    part_at[b] = at;
   }
-  __syncthreads();
-  index = s_at[0];
-  __syncthreads();
 }
 
 // One block does the work; any other block leaves at once.
@@ -133,21 +137,49 @@ __device__ __forceinline__ bool ms_greedy_row(int r, int N, uint32_t choice, boo
   return true;
 }
 
-template <typename T, typename D, typename ET>
-__device__ void ms_greedy(const T* logits, const D* draft, const ET* eos, uint32_t* out, int N,
-                          int V, int E) {
+// Greedy acceptance from the slices' maxima ([R, S] each): 32 rows at a time, warp w combines
+// the slices of row w, then thread 0 walks the rows in order until the first that stops.
+template <typename D, typename ET>
+__device__ void ms_greedy_decide(const float* part_max, const uint32_t* part_at, const D* draft,
+                                 const ET* eos, uint32_t* out, int R, int S, int E) {
+  __shared__ uint32_t s_choice[32];
+  __shared__ bool s_nan[32], s_more;
   if (!ms_first_block()) return;
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   uint32_t accepted = 0, token = 0;
   bool eos_in_draft = false;
-  for (int r = 0; r <= N; ++r) {
-    uint32_t choice;
-    bool nan;
-    ms_row_argmax<T>(logits + (size_t)r * V, V, choice, nan);
-    if (!ms_greedy_row<D, ET>(r, N, choice, nan, draft, eos, E, accepted, token, eos_in_draft)) {
-      break;
+  for (int base = 0; base < R; base += 32) {
+    const int r = base + warp;
+    if (r < R) {
+      float best = __int_as_float(0xFF800000);
+      uint32_t at = 0xFFFFFFFFu;
+      bool nan = false;
+      for (int i = lane; i < S; i += 32) {
+        const float x = part_max[(size_t)r * S + i];
+        nan |= isnan(x);
+        ms_keep_max(best, at, x, part_at[(size_t)r * S + i]);
+      }
+      for (int d = 16; d > 0; d >>= 1) {
+        const float other = __shfl_down_sync(0xFFFFFFFFu, best, d);
+        const uint32_t other_at = __shfl_down_sync(0xFFFFFFFFu, at, d);
+        ms_keep_max(best, at, other, other_at);
+      }
+      nan = __any_sync(0xFFFFFFFFu, nan);
+      if (lane == 0) { s_choice[warp] = at; s_nan[warp] = nan; }
     }
+    __syncthreads();
+    if (t == 0) {
+      bool more = true;
+      for (int i = 0; more && i < 32 && base + i < R; ++i) {
+        more = ms_greedy_row<D, ET>(base + i, R - 1, s_choice[i], s_nan[i], draft, eos, E,
+                                    accepted, token, eos_in_draft);
+      }
+      s_more = more;
+    }
+    __syncthreads();
+    if (!s_more) break;
   }
-  if (threadIdx.x == 0) ms_write<ET>(out, accepted, token, eos_in_draft, eos, E);
+  if (t == 0) ms_write<ET>(out, accepted, token, eos_in_draft, eos, E);
 }
 
 // Inclusive scan of one value per thread over the block; `carry` is added to every result.
@@ -357,9 +389,10 @@ __device__ void ms_sampled(const T* probs, const Q* q, const D* draft, const ET*
 }
 """
 
-_GREEDY = (
-    "ms_greedy<T, D, ET>(logits, draft, eos, out, logits_shape[0] - 1, logits_shape[1], "
-    "eos_shape[0]);"
+_SLICES = "ms_slice_argmax<T>(logits, part_max, part_at, logits_shape[0], logits_shape[1]);"
+_DECIDE = (
+    "ms_greedy_decide<D, ET>(part_max, part_at, draft, eos, out, part_max_shape[0], "
+    "part_max_shape[1], eos_shape[0]);"
 )
 _SAMPLED = (
     "ms_sampled<T, Q, D, ET, HAS_Q>(probs, q, draft, eos, u, out, probs_shape[0] - 1, "
@@ -375,24 +408,28 @@ def available(stream: StreamOrDevice = None) -> bool:
     return mx.cuda.is_available() and device_type(stream) == mx.DeviceType.gpu
 
 
+_SOURCES = {
+    "greedy_slices": (["logits"], ["part_max", "part_at"], _SLICES),
+    "greedy_decide": (["part_max", "part_at", "draft", "eos"], ["out"], _DECIDE),
+    "sampled": (["probs", "q", "draft", "eos", "u"], ["out"], _SAMPLED),
+}
+
+
 @cache
 def _kernel(name: str) -> Callable[..., list[mx.array]]:
-    if name == "greedy":
-        inputs, source = ["logits", "draft", "eos"], _GREEDY
-    else:
-        inputs, source = ["probs", "q", "draft", "eos", "u"], _SAMPLED
+    inputs, outputs, source = _SOURCES[name]
     return mx.fast.cuda_kernel(
         name=f"mlx_spec_{name}",
         input_names=inputs,
-        output_names=["out"],
+        output_names=outputs,
         source=source,
         header=_HEADER,
         ensure_row_contiguous=True,
     )
 
 
-def _cuda_launch(name: str, inputs: list[mx.array], template: list) -> mx.array:
-    """One block of kernel ``name``: ``[3]`` uint32."""
+def _one_block(name: str, inputs: list[mx.array], template: list) -> mx.array:
+    """One block of ``THREADS`` threads of kernel ``name``: ``[3]`` uint32."""
     return _kernel(name)(
         inputs=inputs,
         template=template,
@@ -403,12 +440,30 @@ def _cuda_launch(name: str, inputs: list[mx.array], template: list) -> mx.array:
     )[0]
 
 
+def _cuda_launch(name: str, inputs: list[mx.array], template: list) -> mx.array:
+    """Kernel ``name`` (greedy: the slices' maxima, then the decision): ``[3]`` uint32."""
+    if name != "greedy":
+        return _one_block(name, inputs, template)
+    logits, draft, eos = inputs
+    rows, vocab = logits.shape
+    slices = -(-vocab // SLICE)
+    part_max, part_at = _kernel("greedy_slices")(
+        inputs=[logits],
+        template=template[:1],
+        grid=(rows * slices * SLICE_THREADS, 1, 1),
+        threadgroup=(SLICE_THREADS, 1, 1),
+        output_shapes=[(rows, slices), (rows, slices)],
+        output_dtypes=[mx.float32, mx.uint32],
+    )
+    return _one_block("greedy_decide", [part_max, part_at, draft, eos], template[1:])
+
+
 #: ``(name, inputs, template) -> [3]`` uint32: the launch; the CPU tests swap in a reference.
 launch: Callable[[str, list[mx.array], list], mx.array] = _cuda_launch
 
 
 def greedy(logits: mx.array, draft: mx.array, eos: mx.array) -> mx.array:
-    """Greedy acceptance in one launch (see :func:`mlx_spec.accept_greedy`).
+    """Greedy acceptance in two launches (see :func:`mlx_spec.accept_greedy`).
 
     Args:
         logits (array): ``[N + 1, V]`` float32, float16 or bfloat16.
