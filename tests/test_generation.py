@@ -367,19 +367,25 @@ def test_loop_verifies_with_the_fused_kernels_where_they_run(monkeypatch, target
     options = dict(sampler=make_sampler(temp=temp), max_tokens=40, key=mx.random.key(7))
     plain, _, _ = run(*args, **options)
     launched = []
+    # On CUDA the real kernels run (so the tokens are the kernels' on both runs); elsewhere the
+    # launcher that runs the composition on the kernels' inputs.
+    launcher = fused.launch if fused.available() else reference_launch
 
     def recorded(name, inputs, template):
         launched.append(name)
-        return reference_launch(name, inputs, template)
+        return launcher(name, inputs, template)
 
     monkeypatch.setattr(fused, "launch", recorded)
     monkeypatch.setattr(fused, "available", lambda stream=None: True)
-    tokens, _, stats = run(*args, **options)
+    # Uncompiled, every round builds its launch (a compiled graph is traced once per shape, and on
+    # CUDA the first run traced it already).
+    mx.disable_compile()
+    try:
+        tokens, _, stats = run(*args, **options)
+    finally:
+        mx.enable_compile()
     assert tokens == plain
-    expected = "greedy" if temp == 0 else "sampled"
-    # The sampled graph is compiled: its launch is built once, when its shape is first traced.
-    assert launched and set(launched) == {expected}
-    assert expected == "sampled" or len(launched) == stats.rounds
+    assert launched == ["greedy" if temp == 0 else "sampled"] * stats.rounds
 
 
 def test_self_draft_is_always_accepted_at_temperature_one(target) -> None:
@@ -579,9 +585,11 @@ def test_memory_flat_over_a_long_generation(target, drafts) -> None:
         if i % 250 == 249:
             # Active memory beyond the caches, which grow by design.
             mx.eval([c.state for c in cache])
+            # On a GPU, let the kernels in flight finish (and release their buffers) first.
+            mx.synchronize()
             samples.append(mx.get_active_memory() - sum(c.nbytes for c in cache))
     assert len(samples) == 8
-    assert max(samples[1:]) - min(samples[1:]) < 256 * 1024
+    assert max(samples[1:]) - min(samples[1:]) < 256 * 1024, samples
 
 
 def test_memory_flat_over_10000_acceptance_rounds() -> None:
