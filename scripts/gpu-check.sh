@@ -1,27 +1,26 @@
 #!/usr/bin/env bash
-# The GPU machine's check (MLX's CUDA backend on an NVIDIA GPU): the test suite with the GPU as MLX's
-# default device (the fused kernels run in tests/test_fused.py, in the oracle property tests and in
-# the generation loop), one pytest process per test file, each with its own time limit (so one
-# slow file cannot hide the others' results), several files at a time (on the GPU each new shape
-# compiles its kernels at run time, on the CPU cores); then the kernel counts, the acceptance
-# benchmark (with the fused kernels and the PyTorch peer) at V = 152064, N = 4, 8, 16, and the
-# greedy-kernel candidates (benchmarks/fused_greedy.py). A summary line per test file comes last.
+# The GPU machine's check (MLX's CUDA backend on an NVIDIA GPU): the whole test suite with the GPU
+# as MLX's default device (the fused kernels run in tests/test_fused.py, in the oracle property
+# tests and in the generation loop), in one pytest with several worker processes sharing the GPU
+# (pytest-xdist: on the GPU each new shape compiles its kernels at run time, on the CPU cores) and
+# a limit per test; then the kernel counts, the acceptance benchmark (with the fused kernels and
+# the PyTorch peer) at V = 152064, N = 4, 8, 16, and the greedy kernels compared
+# (benchmarks/fused_greedy.py). The tests' summary line comes last.
 # Run from the repo root after MLX's CUDA build is installed (../shared/tools/mlx-cuda/README.md).
-# Output: $OUT (or /tmp/gpu-check): tests.log (every file's verbose log, one after another),
-# kernels.txt, acceptance.txt, acceptance.json, fused_greedy.txt.
+# Output: $OUT (or /tmp/gpu-check): tests.log (the verbose log), kernels.txt, acceptance.txt,
+# acceptance.json, fused_greedy.txt.
 # Usage: bash scripts/gpu-check.sh [--no-bench | --bench-only] [--limit SECONDS] [--jobs J]
 #                                  [TEST_FILE ...]
-#   (no files: every tests/test_*.py; --limit: per file, default 240; --jobs: files at a time,
-#   default 4)
+#   (no files: every tests/test_*.py; --limit: for the tests, default 420, and half of it for one
+#   test; --jobs: worker processes, default 12)
 set -uo pipefail
 out=${OUT:-/tmp/gpu-check}
-logs=/tmp/gpu-check-logs
-mkdir -p "$out" "$logs"
+mkdir -p "$out"
 export PYTHONPATH=/tmp/mlx-site:/tmp/site:$PWD PYTHONUNBUFFERED=1
-# Kernels compiled at run time (NVRTC) are kept for the other test files.
+# Kernels compiled at run time (NVRTC) are kept for the other workers and the benchmarks.
 export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx-cache}
 python3 -c "import mlx.core as mx; assert mx.default_device() == mx.gpu, mx.default_device(); print('MLX', mx.__version__, mx.default_device())" || exit 1
-bench=1 tests=1 limit=240 jobs=4 files=()
+bench=1 tests=1 limit=420 jobs=12 files=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-bench) bench=0 ;;
@@ -34,32 +33,18 @@ while [ $# -gt 0 ]; do
 done
 [ ${#files[@]} -eq 0 ] && files=(tests/test_*.py)
 
-# One file: its verbose log (the last line names the test running when a limit struck) and a
-# summary line.
-run_file() {
-  local file=$1 name start rc last per_test=()
-  name=$(basename "$file" .py)
-  # One slow test fails alone (with its traceback) instead of taking the file's whole limit.
+if [ "$tests" = 1 ]; then
+  workers=() per_test=()
+  python3 -c "import xdist" 2>/dev/null && workers=(-n "$jobs")
   python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout "$(( limit / 2 ))")
   start=$(date +%s)
-  timeout "$limit" python3 -m pytest --full -v -p no:cacheprovider -rf --tb=short --durations=5 \
-    "${per_test[@]}" "$file" > "$logs/$name.log" 2>&1
+  timeout "$limit" python3 -m pytest --full -v -p no:cacheprovider -rf --tb=short --durations=15 \
+    "${workers[@]}" "${per_test[@]}" "${files[@]}" > "$out/tests.log" 2>&1
   rc=$?
-  last=$(grep -E "(passed|failed|error).* in " "$logs/$name.log" | tail -n 1)
-  [ "$rc" = 124 ] && last="timed out after ${limit}s, at: $(grep -E '::' "$logs/$name.log" | tail -n 1)"
-  echo "$name ($(( $(date +%s) - start )) s): ${last:-rc $rc}" > "$logs/$name.summary"
-}
-export -f run_file
-export limit logs
-
-if [ "$tests" = 1 ]; then
-  rm -f "$logs"/*.log "$logs"/*.summary
-  printf '%s\n' "${files[@]}" | xargs -P "$jobs" -I{} bash -c 'run_file "$1"' _ {}
-  for file in "${files[@]}"; do
-    name=$(basename "$file" .py)
-    { echo "===== $name"; cat "$logs/$name.log"; } >> "$out/tests.log"
-    grep -E "^FAILED|^ERROR|^E  " "$logs/$name.log" | head -n 12
-  done
+  summary=$(grep -E "(passed|failed|error).* in " "$out/tests.log" | tail -n 1)
+  [ "$rc" = 124 ] && summary="timed out after ${limit}s, at: $(grep -E '::' "$out/tests.log" | tail -n 1)"
+  summary="tests, ${#files[@]} files, ${workers[*]:-one process}: ${summary:-rc $rc} ($(( $(date +%s) - start )) s)"
+  grep -E "^(FAILED|ERROR)" "$out/tests.log" | head -n 20
 fi
 if [ "$bench" = 1 ]; then
   timeout 60 python3 benchmarks/kernels.py 2>&1 | tee "$out/kernels.txt" | cut -c1-60
@@ -67,4 +52,5 @@ if [ "$bench" = 1 ]; then
     --json "$out/acceptance.json" 2>/dev/null | tee "$out/acceptance.txt"
   timeout 120 python3 benchmarks/fused_greedy.py 2>&1 | tee "$out/fused_greedy.txt"
 fi
-[ "$tests" = 1 ] && { echo; cat "$logs"/*.summary; }
+[ "$tests" = 1 ] && { echo; echo "$summary"; }
+exit 0
