@@ -440,22 +440,27 @@ def _one_block(name: str, inputs: list[mx.array], template: list) -> mx.array:
     )[0]
 
 
-def _cuda_launch(name: str, inputs: list[mx.array], template: list) -> mx.array:
-    """Kernel ``name`` (greedy: the slices' maxima, then the decision): ``[3]`` uint32."""
-    if name != "greedy":
-        return _one_block(name, inputs, template)
-    logits, draft, eos = inputs
+def _greedy_launches(logits: mx.array, draft: mx.array, eos: mx.array) -> mx.array:
+    """The slices' maxima of every row (many blocks), then the decision (one block)."""
     rows, vocab = logits.shape
     slices = -(-vocab // SLICE)
     part_max, part_at = _kernel("greedy_slices")(
         inputs=[logits],
-        template=template[:1],
+        template=[("T", logits.dtype)],
         grid=(rows * slices * SLICE_THREADS, 1, 1),
         threadgroup=(SLICE_THREADS, 1, 1),
         output_shapes=[(rows, slices), (rows, slices)],
         output_dtypes=[mx.float32, mx.uint32],
     )
-    return _one_block("greedy_decide", [part_max, part_at, draft, eos], template[1:])
+    template = [("D", draft.dtype), ("ET", eos.dtype)]
+    return _one_block("greedy_decide", [part_max, part_at, draft, eos], template)
+
+
+def _cuda_launch(name: str, inputs: list[mx.array], template: list) -> mx.array:
+    """Kernel ``name`` on ``inputs``: ``[3]`` uint32."""
+    if name == "greedy":
+        return _greedy_launches(*inputs)
+    return _one_block(name, inputs, template)
 
 
 #: ``(name, inputs, template) -> [3]`` uint32: the launch; the CPU tests swap in a reference.
