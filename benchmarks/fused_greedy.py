@@ -63,21 +63,13 @@ __device__ void ms_row_argmax(const T* row, int V, uint32_t& index, bool& has_na
       ms_keep_max(best, at, x, k);
     }
   }
-  for (int d = 16; d > 0; d >>= 1) {
-    float other = __shfl_down_sync(0xFFFFFFFFu, best, d);
-    uint32_t other_at = __shfl_down_sync(0xFFFFFFFFu, at, d);
-    ms_keep_max(best, at, other, other_at);
-  }
+  ms_warp_max(best, at);
   if (lane == 0) { s_best[warp] = best; s_at[warp] = at; }
   has_nan = __syncthreads_or(nan);
   if (warp == 0) {
     best = s_best[lane];
     at = s_at[lane];
-    for (int d = 16; d > 0; d >>= 1) {
-      float other = __shfl_down_sync(0xFFFFFFFFu, best, d);
-      uint32_t other_at = __shfl_down_sync(0xFFFFFFFFu, at, d);
-      ms_keep_max(best, at, other, other_at);
-    }
+    ms_warp_max(best, at);
     if (lane == 0) s_at[0] = at;
   }
   __syncthreads();

@@ -53,6 +53,15 @@ __device__ __forceinline__ void ms_keep_max(float& best, uint32_t& at, float x, 
   if (x > best || (x == best && i < at)) { best = x; at = i; }
 }
 
+// The warp's maximum and its first index, left in lane 0.
+__device__ __forceinline__ void ms_warp_max(float& best, uint32_t& at) {
+  for (int d = 16; d > 0; d >>= 1) {
+    const float other = __shfl_down_sync(0xFFFFFFFFu, best, d);
+    const uint32_t other_at = __shfl_down_sync(0xFFFFFFFFu, at, d);
+    ms_keep_max(best, at, other, other_at);
+  }
+}
+
 // The argmax of one slice of a row (block b: row b / S, columns [s L, s L + L), s = b % S,
 // L = ceil(V / S) rounded up to 8), as the slice's maximum (NaN when the slice holds a NaN) and its
 // first index. 16-byte loads when the rows are aligned.
@@ -92,11 +101,7 @@ __device__ void ms_slice_argmax(const T* logits, float* part_max, uint32_t* part
       ms_keep_max(best, at, x, k);
     }
   }
-  for (int d = 16; d > 0; d >>= 1) {
-    const float other = __shfl_down_sync(0xFFFFFFFFu, best, d);
-    const uint32_t other_at = __shfl_down_sync(0xFFFFFFFFu, at, d);
-    ms_keep_max(best, at, other, other_at);
-  }
+  ms_warp_max(best, at);
   if (lane == 0) { s_best[warp] = best; s_at[warp] = at; }
   nan = __syncthreads_or(nan);
   if (t == 0) {
@@ -159,11 +164,7 @@ __device__ void ms_greedy_decide(const float* part_max, const uint32_t* part_at,
         nan |= isnan(x);
         ms_keep_max(best, at, x, part_at[(size_t)r * S + i]);
       }
-      for (int d = 16; d > 0; d >>= 1) {
-        const float other = __shfl_down_sync(0xFFFFFFFFu, best, d);
-        const uint32_t other_at = __shfl_down_sync(0xFFFFFFFFu, at, d);
-        ms_keep_max(best, at, other, other_at);
-      }
+      ms_warp_max(best, at);
       nan = __any_sync(0xFFFFFFFFu, nan);
       if (lane == 0) { s_choice[warp] = at; s_nan[warp] = nan; }
     }
