@@ -1,0 +1,127 @@
+"""Where does a verification's time go on a GPU? MLX's cost per evaluation, apart from the work.
+
+At V = 152064 and N + 1 bfloat16 rows (N = 16 by default), the median (and 90th percentile) of:
+
+- mlx eval: ``mx.eval`` of ``a + 1`` for a ``[3]`` uint32 ``a``: one launch and the wait, no read;
+- mlx tiny: the same + ``tolist``: the least that one evaluation with a read costs;
+- mlx floor: ``mx.max`` over the rows + ``tolist`` (the floor of ``benchmarks/acceptance.py``);
+- fused greedy: ``accept_greedy(..., fused=True)`` + ``read``, without EOS ids (where MLX runs
+  on CUDA);
+- fused greedy eos: the same with an EOS array made once, as the generation loop passes it;
+- torch tiny, torch floor, torch greedy: the same in PyTorch on the same GPU (vLLM's way), where
+  PyTorch sees a CUDA GPU.
+
+Each case is timed three ways in one run: alone (its runs in a row) before PyTorch initialises
+CUDA in the process, alone after, and interleaved with the others as ``benchmarks/acceptance.py``
+times them. Where the interleaved times exceed the lone ones, a case pays for the one before it.
+
+Usage: ``python benchmarks/overhead.py [--drafts N ...] [--repeats R]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_spec import accept_greedy, fused, read
+from mlx_spec.bench import time_cases
+
+V = 152064
+
+
+def _mlx_cases(n: int) -> dict[str, Callable[[], object]]:
+    rng = np.random.default_rng(n)
+    rows = mx.array(rng.standard_normal((n + 1, V), dtype=np.float32) * 4).astype(mx.bfloat16)
+    draft = mx.argmax(rows[:n], axis=-1).astype(mx.uint32)
+    draft = mx.where(mx.arange(n) < n // 2, draft, (draft + 1) % V)
+    tiny = mx.array([1, 2, 3], mx.uint32)
+    eos = mx.array([V - 1], mx.uint32)
+    mx.eval(rows, draft, tiny, eos)
+    cases: dict[str, Callable[[], object]] = {
+        "mlx eval": lambda: mx.eval(tiny + 1),
+        "mlx tiny": lambda: (tiny + 1).tolist(),
+        "mlx floor": lambda: mx.max(rows, axis=-1).tolist(),
+    }
+    if fused.available():
+        cases["fused greedy"] = lambda: read(accept_greedy(rows, draft, fused=True))
+        cases["fused greedy eos"] = lambda: read(accept_greedy(rows, draft, eos, fused=True))
+    return cases
+
+
+def _torch_cases(n: int) -> dict[str, Callable[[], object]]:
+    try:
+        import torch
+    except ImportError:
+        return {}
+    if not torch.cuda.is_available():
+        return {}
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(n)
+    rows = (torch.randn(n + 1, V, device=dev, generator=gen) * 4).to(torch.bfloat16)
+    draft = rows[:n].argmax(-1)
+    tiny = torch.tensor([1, 2, 3], device=dev)
+
+    def greedy() -> list[int]:
+        choice = rows.argmax(dim=-1)
+        accepted = (choice[:n] == draft).to(torch.int32).cumprod(0).sum()
+        return torch.stack([accepted, choice[accepted]]).tolist()
+
+    return {
+        "torch tiny": lambda: (tiny + 1).tolist(),
+        "torch floor": lambda: rows.max(dim=-1).values.float().tolist(),
+        "torch greedy": greedy,
+    }
+
+
+def _alone(cases: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Each case's runs in a row, after two warm-up runs: seconds."""
+    samples = {}
+    for name, fn in cases.items():
+        fn()
+        fn()
+        samples[name] = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return samples
+
+
+def _cell(samples: list[float] | float | None) -> str:
+    if samples is None:
+        return f"{'-':>15}"
+    if isinstance(samples, float):
+        return f"{samples * 1e3:15.3f}"
+    p90 = statistics.quantiles(samples, n=10)[-1]
+    return f"{statistics.median(samples) * 1e3:7.3f} ({p90 * 1e3:5.3f})"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--drafts", type=int, nargs="+", default=[16], help="draft lengths N")
+    parser.add_argument("--repeats", type=int, default=300, help="runs per case and way")
+    args = parser.parse_args(argv)
+    print(
+        f"mlx {mx.__version__}, device {mx.default_device()}, V = {V}, bfloat16; ms, median "
+        f"(90th percentile) of {args.repeats} runs; interleaved: median",
+        flush=True,
+    )
+    for n in args.drafts:
+        mlx_cases = _mlx_cases(n)
+        before = _alone(mlx_cases, args.repeats)
+        torch_cases = _torch_cases(n)
+        after = _alone({**mlx_cases, **torch_cases}, args.repeats)
+        mixed = time_cases({**mlx_cases, **torch_cases}, args.repeats)
+        print(f"\nN = {n}")
+        print(f"{'case':<17} {'alone, no torch':>15} {'alone':>15} {'interleaved':>15}")
+        for name in mixed:
+            print(f"{name:<17} {_cell(before.get(name))} {_cell(after[name])} {_cell(mixed[name])}")
+
+
+if __name__ == "__main__":
+    main()
