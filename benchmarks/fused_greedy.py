@@ -87,9 +87,9 @@ __device__ void ms_greedy(const T* logits, const D* draft, const ET* eos, uint32
     uint32_t choice;
     bool nan;
     ms_row_argmax<T>(logits + (size_t)r * V, V, choice, nan);
-    if (!ms_greedy_row<D, ET>(r, N, choice, nan, draft, eos, E, accepted, token, eos_in_draft)) {
-      break;
-    }
+    const uint32_t d = r < N ? (uint32_t)draft[r] : 0u;
+    const bool d_is_eos = r < N && ms_is_eos<ET>(d, eos, E);
+    if (!ms_greedy_row(r, N, choice, nan, d, d_is_eos, accepted, token, eos_in_draft)) break;
   }
   if (threadIdx.x == 0) ms_write<ET>(out, accepted, token, eos_in_draft, eos, E);
 }

@@ -125,30 +125,28 @@ __device__ __forceinline__ void ms_write(uint32_t* out, uint32_t accepted, uint3
   out[2] = (eos_in_draft || ms_is_eos<ET>(token, eos, E)) ? 1u : 0u;
 }
 
-// Greedy acceptance, row r of N + 1 given its argmax and whether it holds a NaN: updates the
-// result and says whether the rows after it are needed.
-template <typename D, typename ET>
-__device__ __forceinline__ bool ms_greedy_row(int r, int N, uint32_t choice, bool nan,
-                                              const D* draft, const ET* eos, int E,
-                                              uint32_t& accepted, uint32_t& token,
+// Greedy acceptance, row r of N + 1 given its argmax, whether it holds a NaN, and (for r < N) its
+// draft token and whether that token ends the sequence: updates the result and says whether the
+// rows after it are needed.
+__device__ __forceinline__ bool ms_greedy_row(int r, int N, uint32_t choice, bool nan, uint32_t d,
+                                              bool d_is_eos, uint32_t& accepted, uint32_t& token,
                                               bool& eos_in_draft) {
   accepted = r;
   token = nan ? (MS_INVALID | (uint32_t)r) : choice;
   // After an accepted end-of-sequence token, this row only supplies `next`.
-  if (r == N || eos_in_draft) return false;
-  const uint32_t d = (uint32_t)draft[r];
-  if (nan || d != choice) return false;
-  eos_in_draft = ms_is_eos<ET>(d, eos, E);
+  if (r == N || eos_in_draft || nan || d != choice) return false;
+  eos_in_draft = d_is_eos;
   return true;
 }
 
 // Greedy acceptance from the slices' maxima ([R, S] each): 32 rows at a time, warp w combines
-// the slices of row w, then thread 0 walks the rows in order until the first that stops.
+// the slices of row w and reads its draft token, then thread 0 walks the rows in order (in shared
+// memory) until the first that stops.
 template <typename D, typename ET>
 __device__ void ms_greedy_decide(const float* part_max, const uint32_t* part_at, const D* draft,
                                  const ET* eos, uint32_t* out, int R, int S, int E) {
-  __shared__ uint32_t s_choice[32];
-  __shared__ bool s_nan[32], s_more;
+  __shared__ uint32_t s_choice[32], s_draft[32];
+  __shared__ bool s_nan[32], s_draft_eos[32], s_more;
   if (!ms_first_block()) return;
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   uint32_t accepted = 0, token = 0;
@@ -156,6 +154,7 @@ __device__ void ms_greedy_decide(const float* part_max, const uint32_t* part_at,
   for (int base = 0; base < R; base += 32) {
     const int r = base + warp;
     if (r < R) {
+      const uint32_t d = r < R - 1 ? (uint32_t)draft[r] : 0u;
       float best = __int_as_float(0xFF800000);
       uint32_t at = 0xFFFFFFFFu;
       bool nan = false;
@@ -166,14 +165,19 @@ __device__ void ms_greedy_decide(const float* part_max, const uint32_t* part_at,
       }
       ms_warp_max(best, at);
       nan = __any_sync(0xFFFFFFFFu, nan);
-      if (lane == 0) { s_choice[warp] = at; s_nan[warp] = nan; }
+      if (lane == 0) {
+        s_choice[warp] = at;
+        s_nan[warp] = nan;
+        s_draft[warp] = d;
+        s_draft_eos[warp] = r < R - 1 && ms_is_eos<ET>(d, eos, E);
+      }
     }
     __syncthreads();
     if (t == 0) {
       bool more = true;
       for (int i = 0; more && i < 32 && base + i < R; ++i) {
-        more = ms_greedy_row<D, ET>(base + i, R - 1, s_choice[i], s_nan[i], draft, eos, E,
-                                    accepted, token, eos_in_draft);
+        more = ms_greedy_row(base + i, R - 1, s_choice[i], s_nan[i], s_draft[i], s_draft_eos[i],
+                             accepted, token, eos_in_draft);
       }
       s_more = more;
     }
