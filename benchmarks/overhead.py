@@ -11,9 +11,10 @@ At V = 152064 and N + 1 bfloat16 rows (N = 16 by default), the median (and 90th 
 - torch tiny, torch floor, torch greedy: the same in PyTorch on the same GPU (vLLM's way), where
   PyTorch sees a CUDA GPU.
 
-Each case is timed three ways in one run: alone (its runs in a row) before PyTorch initialises
-CUDA in the process, alone after, and interleaved with the others as ``benchmarks/acceptance.py``
-times them. Where the interleaved times exceed the lone ones, a case pays for the one before it.
+Each case is timed four ways in one run: alone (its runs in a row) before PyTorch initialises
+CUDA in the process; alone after; interleaved with the cases above; and interleaved also with every
+case of ``benchmarks/acceptance.py`` (the composition, mlx-lm's path, the sampled peers), as that
+benchmark times them. Where the interleaved times exceed the lone ones, a case pays for the others.
 
 Usage: ``python benchmarks/overhead.py [--drafts N ...] [--repeats R]``.
 """
@@ -29,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_spec import accept_greedy, fused, read
-from mlx_spec.bench import time_cases
+from mlx_spec.bench import acceptance_cases, time_cases
 
 V = 152064
 
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     print(
         f"mlx {mx.__version__}, device {mx.default_device()}, V = {V}, bfloat16; ms, median "
-        f"(90th percentile) of {args.repeats} runs; interleaved: median",
+        f"(90th percentile) of {args.repeats} runs; interleaved, among all: median",
         flush=True,
     )
     for n in args.drafts:
@@ -117,10 +118,17 @@ def main(argv: list[str] | None = None) -> None:
         torch_cases = _torch_cases(n)
         after = _alone({**mlx_cases, **torch_cases}, args.repeats)
         mixed = time_cases({**mlx_cases, **torch_cases}, args.repeats)
+        among_all = time_cases({**acceptance_cases(V, n), **mlx_cases, **torch_cases}, args.repeats)
         print(f"\nN = {n}")
-        print(f"{'case':<17} {'alone, no torch':>15} {'alone':>15} {'interleaved':>15}")
+        print(
+            f"{'case':<17} {'alone, no torch':>15} {'alone':>15} {'interleaved':>15} "
+            f"{'among all':>15}"
+        )
         for name in mixed:
-            print(f"{name:<17} {_cell(before.get(name))} {_cell(after[name])} {_cell(mixed[name])}")
+            print(
+                f"{name:<17} {_cell(before.get(name))} {_cell(after[name])} "
+                f"{_cell(mixed[name])} {_cell(among_all[name])}"
+            )
 
 
 if __name__ == "__main__":
