@@ -1,4 +1,4 @@
-"""Which greedy kernel? The shipped two-launch kernel against the one-block kernel, on CUDA.
+"""Which greedy kernel? The shipped two-launch kernel against two alternatives, on CUDA.
 
 The shipped kernel (``mlx_spec.fused``, ``accept_greedy(..., fused=True)``) takes the argmax of
 4096-column slices of every row in its first launch (many blocks: all ``N + 1`` rows at the
@@ -8,10 +8,17 @@ the first mismatch: it reads only ``accepted + 1`` rows, but at the bandwidth of
 multiprocessor (on an H200 at V = 152064: 0.126 ms at N = 4, 0.171 ms at N = 16, against 0.118 ms
 for the PyTorch peer).
 
+A third, ``last block``, does it in one launch: the blocks of the first launch take a ticket from
+an atomic counter and the last to finish decides. MLX must first zero the counter (``init_value``,
+a fill before the kernel), and it measured no faster (on an H200: 0.111 to 0.139 ms at N = 16
+against 0.121 to 0.138 for two launches, 0.30 to 0.38 against 0.12 to 0.15 at N = 4). A counter
+kept zeroed between calls instead would be shared by verifications that one CUDA graph runs side
+by side.
+
 The script first asks MLX how it reads ``grid`` (threads or blocks; the kernels assume threads and
-stay right either way), checks both kernels against the composition (``fused=False``) on cases
+stay right either way), checks the kernels against the composition (``fused=False``) on cases
 with ties, NaN and -inf rows, out-of-vocabulary ids and EOS sets, then times floor (``mx.max`` +
-read), the composition, both kernels and the PyTorch peer (argmax, compare, cumprod, as vLLM does),
+read), the composition, the kernels and the PyTorch peer (argmax, compare, cumprod, as vLLM does),
 interleaved, at V = 152064 and N = 4, 8, 16, with drafts that agree with the argmax for none, half
 and all of their length.
 
@@ -95,6 +102,29 @@ __device__ void ms_greedy(const T* logits, const D* draft, const ET* eos, uint32
 }
 """
 
+LAST_BLOCK_SOURCE = r"""
+// Every block takes the argmax of one slice, as the shipped first launch does; the last block to
+// finish (its ticket from a counter that MLX zeroes) decides. `work`: [4 + 2 R S] uint32, the
+// result, the counter, then the slices' maxima (as float bits) and their indices.
+template <typename T, typename D, typename ET>
+__device__ void ms_greedy_last_block(const T* logits, const D* draft, const ET* eos,
+                                     uint32_t* work, int R, int V, int E) {
+  __shared__ bool s_last;
+  const int S = (V + MS_SLICE - 1) / MS_SLICE;
+  float* part_max = reinterpret_cast<float*>(work + 4);
+  uint32_t* part_at = work + 4 + (size_t)R * S;
+  ms_slice_argmax<T>(logits, part_max, part_at, R, V);
+  if (threadIdx.x == 0) {
+    __threadfence();
+    s_last = atomicAdd(work + 3, 1u) == (uint32_t)(R * S - 1);
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  ms_greedy_decide<D, ET>(part_max, part_at, draft, eos, work, R, S, E);
+}
+"""
+
 
 def grid_counts_threads() -> bool:
     """Whether MLX's ``grid`` counts threads (as Metal's dispatchThreads) rather than blocks."""
@@ -143,6 +173,37 @@ def one_block_greedy() -> Callable[[mx.array, mx.array, mx.array], mx.array]:
     return greedy
 
 
+def last_block_greedy() -> Callable[[mx.array, mx.array, mx.array], mx.array]:
+    """The alternative in one launch: ``(logits, draft, eos) -> [3]`` uint32, as
+    ``fused.greedy``."""
+    kernel = mx.fast.cuda_kernel(
+        name="mlx_spec_greedy_last_block",
+        input_names=["logits", "draft", "eos"],
+        output_names=["work"],
+        source=(
+            "ms_greedy_last_block<T, D, ET>(logits, draft, eos, work, logits_shape[0], "
+            "logits_shape[1], eos_shape[0]);"
+        ),
+        header=fused._HEADER + LAST_BLOCK_SOURCE,
+        ensure_row_contiguous=True,
+    )
+
+    def greedy(logits: mx.array, draft: mx.array, eos: mx.array) -> mx.array:
+        rows, vocab = logits.shape
+        slices = -(-vocab // fused.SLICE)
+        return kernel(
+            inputs=[logits, draft, eos],
+            template=[("T", logits.dtype), ("D", draft.dtype), ("ET", eos.dtype)],
+            grid=(rows * slices * fused.SLICE_THREADS, 1, 1),
+            threadgroup=(fused.SLICE_THREADS, 1, 1),
+            output_shapes=[(4 + 2 * rows * slices,)],
+            output_dtypes=[mx.uint32],
+            init_value=0,
+        )[0][:3]
+
+    return greedy
+
+
 def check(kernel: Callable) -> int:
     """Compares ``kernel`` with the composition; returns the number of cases."""
     rng = np.random.default_rng(0)
@@ -172,7 +233,9 @@ def check(kernel: Callable) -> int:
     return cases
 
 
-def timed_cases(n: int, v: int, agree: int, one_block: Callable) -> dict[str, Callable]:
+def timed_cases(
+    n: int, v: int, agree: int, alternatives: dict[str, Callable]
+) -> dict[str, Callable]:
     """The verifications to time at draft length ``n``, on the same bfloat16 rows, with a draft
     that agrees with the argmax for its first ``agree`` tokens."""
     import torch
@@ -193,13 +256,14 @@ def timed_cases(n: int, v: int, agree: int, one_block: Callable) -> dict[str, Ca
         accepted = (picks[:n] == t_draft).to(torch.int32).cumprod(0).sum()
         return torch.stack([accepted, picks[accepted]]).tolist()
 
-    return {
+    cases = {
         "floor": lambda: mx.max(logits, axis=-1).tolist(),
         "composition": lambda: read(accept_greedy(logits, draft)),
         "two launches": lambda: read(accept_greedy(logits, draft, fused=True)),
-        "one block": lambda: read(one_block(logits, draft, no_eos)),
-        "torch": torch_greedy,
     }
+    for name, kernel in alternatives.items():
+        cases[name] = lambda kernel=kernel: read(kernel(logits, draft, no_eos))
+    return {**cases, "torch": torch_greedy}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -209,15 +273,14 @@ def main(argv: list[str] | None = None) -> None:
     if not fused.available():
         sys.exit("fused_greedy.py: needs MLX's CUDA backend (MLX runs on the CPU here)")
     grid_counts_threads()
-    one_block = one_block_greedy()
-    shipped = fused.greedy
-    for name, kernel in [("two launches", shipped), ("one block", one_block)]:
+    alternatives = {"one block": one_block_greedy(), "last block": last_block_greedy()}
+    for name, kernel in {"two launches": fused.greedy, **alternatives}.items():
         print(f"{name} equals the composition on {check(kernel)} cases", flush=True)
     v = 152064
     print(f"V={v}; medians of {args.repeats} interleaved repeats, ms, with the read")
     for n in (4, 8, 16):
         for agree in (0, n // 2, n):
-            times = time_cases(timed_cases(n, v, agree, one_block), args.repeats)
+            times = time_cases(timed_cases(n, v, agree, alternatives), args.repeats)
             line = "  ".join(f"{k} {t * 1e3:.3f}" for k, t in times.items())
             ratio = times["two launches"] / times["torch"]
             print(

@@ -139,19 +139,19 @@ __device__ __forceinline__ bool ms_greedy_row(int r, int N, uint32_t choice, boo
   return true;
 }
 
-// Greedy acceptance from the slices' maxima ([R, S] each): 32 rows at a time, warp w combines
-// the slices of row w and reads its draft token, then thread 0 walks the rows in order (in shared
-// memory) until the first that stops.
+// Greedy acceptance from the slices' maxima ([R, S] each), by one block of W warps: W rows at a
+// time, warp w combines the slices of row w and reads its draft token, then thread 0 walks the
+// rows in order (in shared memory) until the first that stops. The maxima are read through L2,
+// so a block of the launch that wrote them may call it.
 template <typename D, typename ET>
 __device__ void ms_greedy_decide(const float* part_max, const uint32_t* part_at, const D* draft,
                                  const ET* eos, uint32_t* out, int R, int S, int E) {
   __shared__ uint32_t s_choice[32], s_draft[32];
   __shared__ bool s_nan[32], s_draft_eos[32], s_more;
-  if (!ms_first_block()) return;
-  const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5, W = blockDim.x >> 5;
   uint32_t accepted = 0, token = 0;
   bool eos_in_draft = false;
-  for (int base = 0; base < R; base += 32) {
+  for (int base = 0; base < R; base += W) {
     const int r = base + warp;
     if (r < R) {
       const uint32_t d = r < R - 1 ? (uint32_t)draft[r] : 0u;
@@ -159,9 +159,9 @@ __device__ void ms_greedy_decide(const float* part_max, const uint32_t* part_at,
       uint32_t at = 0xFFFFFFFFu;
       bool nan = false;
       for (int i = lane; i < S; i += 32) {
-        const float x = part_max[(size_t)r * S + i];
+        const float x = __ldcg(part_max + (size_t)r * S + i);
         nan |= isnan(x);
-        ms_keep_max(best, at, x, part_at[(size_t)r * S + i]);
+        ms_keep_max(best, at, x, __ldcg(part_at + (size_t)r * S + i));
       }
       ms_warp_max(best, at);
       nan = __any_sync(0xFFFFFFFFu, nan);
@@ -175,7 +175,7 @@ __device__ void ms_greedy_decide(const float* part_max, const uint32_t* part_at,
     __syncthreads();
     if (t == 0) {
       bool more = true;
-      for (int i = 0; more && i < 32 && base + i < R; ++i) {
+      for (int i = 0; more && i < W && base + i < R; ++i) {
         more = ms_greedy_row(base + i, R - 1, s_choice[i], s_nan[i], s_draft[i], s_draft_eos[i],
                              accepted, token, eos_in_draft);
       }
@@ -396,8 +396,8 @@ __device__ void ms_sampled(const T* probs, const Q* q, const D* draft, const ET*
 
 _SLICES = "ms_slice_argmax<T>(logits, part_max, part_at, logits_shape[0], logits_shape[1]);"
 _DECIDE = (
-    "ms_greedy_decide<D, ET>(part_max, part_at, draft, eos, out, part_max_shape[0], "
-    "part_max_shape[1], eos_shape[0]);"
+    "if (ms_first_block()) ms_greedy_decide<D, ET>(part_max, part_at, draft, eos, out, "
+    "part_max_shape[0], part_max_shape[1], eos_shape[0]);"
 )
 _SAMPLED = (
     "ms_sampled<T, Q, D, ET, HAS_Q>(probs, q, draft, eos, u, out, probs_shape[0] - 1, "
