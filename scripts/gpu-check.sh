@@ -4,11 +4,14 @@
 # tests and in the generation loop), in one pytest with several worker processes sharing the GPU
 # (pytest-xdist: on the GPU each new shape compiles its kernels at run time, on the CPU cores) and
 # a limit per test; then the kernel counts, the acceptance benchmark (with the fused kernels and
-# the PyTorch peer) at V = 152064, N = 4, 8, 16, and the greedy kernels compared
-# (benchmarks/fused_greedy.py). The tests' summary line comes last.
+# the PyTorch peer) at V = 152064, N = 4, 8, 16, one process per N (in one process the
+# configurations measured later read slower), MLX's cost per evaluation (benchmarks/overhead.py)
+# and the greedy kernels compared (benchmarks/fused_greedy.py). The tests' summary line comes last.
+# On an H200 the suite takes about 7.5 minutes and the benchmarks about 3: where one call may run
+# 10 minutes, make two (--no-bench, then --bench-only).
 # Run from the repo root after MLX's CUDA build is installed (../shared/tools/mlx-cuda/README.md).
 # Output: $OUT (or /tmp/gpu-check): tests.log (the verbose log), kernels.txt, acceptance.txt,
-# acceptance.json, fused_greedy.txt.
+# acceptance-N.json, overhead.txt, fused_greedy.txt.
 # Usage: bash scripts/gpu-check.sh [--no-bench | --bench-only] [--limit SECONDS] [--jobs J]
 #                                  [TEST_FILE ...]
 #   (no files: every tests/test_*.py; --limit: for the tests, default 420, and half of it for one
@@ -48,8 +51,12 @@ if [ "$tests" = 1 ]; then
 fi
 if [ "$bench" = 1 ]; then
   timeout 60 python3 benchmarks/kernels.py 2>&1 | tee "$out/kernels.txt" | cut -c1-60
-  timeout 240 python3 benchmarks/acceptance.py --vocabs 152064 --drafts 4 8 16 --repeats 30 \
-    --json "$out/acceptance.json" 2>/dev/null | tee "$out/acceptance.txt"
+  : > "$out/acceptance.txt"
+  for n in 4 8 16; do
+    timeout 120 python3 benchmarks/acceptance.py --vocabs 152064 --drafts "$n" --repeats 60 \
+      --json "$out/acceptance-$n.json" 2>/dev/null | tee -a "$out/acceptance.txt"
+  done
+  timeout 120 python3 benchmarks/overhead.py --drafts 4 8 16 2>&1 | tee "$out/overhead.txt"
   timeout 120 python3 benchmarks/fused_greedy.py 2>&1 | tee "$out/fused_greedy.txt"
 fi
 [ "$tests" = 1 ] && { echo; echo "$summary"; }
