@@ -70,10 +70,8 @@ def _use_fused(op: str, fused: bool, stream: StreamOrDevice, vocab: int | None =
 
 
 @cache
-@cache
 def _no_id() -> mx.array:
-    """``[1]`` uint32 ``0xFFFFFFFF``: no token equals it; stands in for a missing eos or draft.
-    Made once: a fresh array would be copied to the device on every call."""
+    """``[1]`` uint32 ``0xFFFFFFFF``: no token equals it; stands in for a missing eos or draft."""
     return mx.array([0xFFFFFFFF], mx.uint32)
 
 
