@@ -7,7 +7,7 @@ At V = 152064 and N + 1 bfloat16 rows (N = 16 by default), the median (and 90th 
 - mlx floor: ``mx.max`` over the rows + ``tolist`` (the floor of ``benchmarks/acceptance.py``);
 - fused greedy: ``accept_greedy(..., fused=True)`` + ``read``, without EOS ids (where MLX runs
   on CUDA);
-- fused greedy eos: the same with an EOS array made once, as the generation loop passes it;
+- fused greedy eos: the same with one EOS id, in an array made once as the generation loop's;
 - torch tiny, torch floor, torch greedy: the same in PyTorch on the same GPU (vLLM's way), where
   PyTorch sees a CUDA GPU.
 
