@@ -30,14 +30,16 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_spec import accept_greedy, fused, read
-from mlx_spec.bench import acceptance_cases, time_cases
+from mlx_spec.bench import acceptance_cases, time_cases, torch_greedy_peers
 
 V = 152064
 
 
-def _mlx_cases(n: int) -> dict[str, Callable[[], object]]:
+def _mlx_cases(n: int) -> tuple[dict[str, Callable[[], object]], np.ndarray, np.ndarray]:
+    """The MLX cases at draft length ``n``, and their rows and draft for the PyTorch cases."""
     rng = np.random.default_rng(n)
-    rows = mx.array(rng.standard_normal((n + 1, V), dtype=np.float32) * 4).astype(mx.bfloat16)
+    rows_np = rng.standard_normal((n + 1, V), dtype=np.float32) * 4
+    rows = mx.array(rows_np).astype(mx.bfloat16)
     draft = mx.argmax(rows[:n], axis=-1).astype(mx.uint32)
     draft = mx.where(mx.arange(n) < n // 2, draft, (draft + 1) % V)
     tiny = mx.array([1, 2, 3], mx.uint32)
@@ -51,32 +53,18 @@ def _mlx_cases(n: int) -> dict[str, Callable[[], object]]:
     if fused.available():
         cases["fused greedy"] = lambda: read(accept_greedy(rows, draft, fused=True))
         cases["fused greedy eos"] = lambda: read(accept_greedy(rows, draft, eos, fused=True))
-    return cases
+    return cases, rows_np, np.array(draft)
 
 
-def _torch_cases(n: int) -> dict[str, Callable[[], object]]:
-    try:
-        import torch
-    except ImportError:
+def _torch_cases(rows_np: np.ndarray, draft_np: np.ndarray) -> dict[str, Callable[[], object]]:
+    """The PyTorch cases on the same rows (this starts CUDA in PyTorch), or ``{}``."""
+    peers = torch_greedy_peers(rows_np, draft_np)
+    if not peers:
         return {}
-    if not torch.cuda.is_available():
-        return {}
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(n)
-    rows = (torch.randn(n + 1, V, device=dev, generator=gen) * 4).to(torch.bfloat16)
-    draft = rows[:n].argmax(-1)
-    tiny = torch.tensor([1, 2, 3], device=dev)
+    import torch
 
-    def greedy() -> list[int]:
-        choice = rows.argmax(dim=-1)
-        accepted = (choice[:n] == draft).to(torch.int32).cumprod(0).sum()
-        return torch.stack([accepted, choice[accepted]]).tolist()
-
-    return {
-        "torch tiny": lambda: (tiny + 1).tolist(),
-        "torch floor": lambda: rows.max(dim=-1).values.float().tolist(),
-        "torch greedy": greedy,
-    }
+    tiny = torch.tensor([1, 2, 3], device="cuda")
+    return {"torch tiny": lambda: (tiny + 1).tolist(), **peers}
 
 
 def _alone(cases: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
@@ -113,9 +101,9 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     for n in args.drafts:
-        mlx_cases = _mlx_cases(n)
+        mlx_cases, rows_np, draft_np = _mlx_cases(n)
         before = _alone(mlx_cases, args.repeats)
-        torch_cases = _torch_cases(n)
+        torch_cases = _torch_cases(rows_np, draft_np)
         after = _alone({**mlx_cases, **torch_cases}, args.repeats)
         mixed = time_cases({**mlx_cases, **torch_cases}, args.repeats)
         among_all = time_cases({**acceptance_cases(V, n), **mlx_cases, **torch_cases}, args.repeats)

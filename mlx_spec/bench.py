@@ -83,29 +83,62 @@ def _mlx_lm_sampled(logits: mx.array, draft: mx.array) -> tuple[int, int]:
     return _match(tokens.tolist(), draft.tolist())
 
 
-def _torch_peers(
-    logits_np: np.ndarray, probs_np: np.ndarray, q_np: np.ndarray, draft_np: np.ndarray
-) -> dict[str, Callable[[], object]]:
-    """vLLM-style acceptance in PyTorch on a CUDA GPU, or ``{}`` where there is none."""
+def _torch_on(device: str) -> Any:
+    """PyTorch where it is installed and (for ``"cuda"``) sees a CUDA GPU, else ``None``."""
     try:
         import torch
     except ImportError:
+        return None
+    return torch if device != "cuda" or torch.cuda.is_available() else None
+
+
+def torch_greedy_peers(
+    logits_np: np.ndarray, draft_np: np.ndarray, *, device: str = "cuda"
+) -> dict[str, Callable[[], object]]:
+    """Greedy acceptance as vLLM writes it in PyTorch (argmax, compare, cumprod), and its floor.
+
+    Args:
+        logits_np (np.ndarray): ``[N + 1, V]`` float32 rows, moved to ``device`` as bfloat16.
+        draft_np (np.ndarray): ``[N]`` integer draft tokens.
+        device (str, optional): PyTorch's device. Default: ``"cuda"``.
+
+    Returns:
+        dict: ``torch floor`` (a max over the rows + ``tolist``) and ``torch greedy``
+        (``[accepted, next]`` with ``tolist``), or ``{}`` where PyTorch is missing or (for
+        ``"cuda"``) sees no CUDA GPU.
+    """
+    torch = _torch_on(device)
+    if torch is None:
         return {}
-    if not torch.cuda.is_available():
-        return {}
-    dev = torch.device("cuda")
-    logits = torch.from_numpy(logits_np).to(dev, torch.bfloat16)
-    probs = torch.from_numpy(probs_np).to(dev)
-    q = torch.from_numpy(q_np).to(dev)
-    draft = torch.from_numpy(draft_np.astype(np.int64)).to(dev)
+    logits = torch.from_numpy(logits_np).to(device, torch.bfloat16)
+    draft = torch.from_numpy(draft_np.astype(np.int64)).to(device)
     n = draft.shape[0]
-    gen = torch.Generator(device=dev).manual_seed(0)
 
     def greedy() -> list[int]:
         choice = logits.argmax(dim=-1)
         ok = (choice[:n] == draft).to(torch.int32)
         accepted = ok.cumprod(0).sum()
         return torch.stack([accepted, choice[accepted]]).tolist()
+
+    return {
+        "torch floor": lambda: logits.max(dim=-1).values.float().tolist(),
+        "torch greedy": greedy,
+    }
+
+
+def _torch_peers(
+    logits_np: np.ndarray, probs_np: np.ndarray, q_np: np.ndarray, draft_np: np.ndarray
+) -> dict[str, Callable[[], object]]:
+    """vLLM-style acceptance in PyTorch on a CUDA GPU, or ``{}`` where there is none."""
+    torch = _torch_on("cuda")
+    if torch is None:
+        return {}
+    dev = torch.device("cuda")
+    probs = torch.from_numpy(probs_np).to(dev)
+    q = torch.from_numpy(q_np).to(dev)
+    draft = torch.from_numpy(draft_np.astype(np.int64)).to(dev)
+    n = draft.shape[0]
+    gen = torch.Generator(device=dev).manual_seed(0)
 
     def sampled(with_q: bool) -> list[int]:
         rows = torch.arange(n, device=dev)
@@ -122,8 +155,7 @@ def _torch_peers(
         return torch.stack([accepted, choice[accepted]]).tolist()
 
     return {
-        "torch floor": lambda: logits.max(dim=-1).values.float().tolist(),
-        "torch greedy": greedy,
+        **torch_greedy_peers(logits_np, draft_np),
         "torch sampled q": lambda: sampled(True),
         "torch sampled none": lambda: sampled(False),
     }
