@@ -16,11 +16,10 @@ kept zeroed between calls instead would be shared by verifications that one CUDA
 by side.
 
 The script first asks MLX how it reads ``grid`` (threads or blocks; the kernels assume threads and
-stay right either way), checks the kernels against the composition (``fused=False``) on cases
-with ties, NaN and -inf rows, out-of-vocabulary ids and EOS sets, then times floor (``mx.max`` +
-read), the composition, the kernels and the PyTorch peer (argmax, compare, cumprod, as vLLM does),
-interleaved, at V = 152064 and N = 4, 8, 16, with drafts that agree with the argmax for none, half
-and all of their length.
+stay right either way), checks the kernels against the composition (``fused=False``) on the cases
+of ``tests/test_fused.py``, then times floor (``mx.max`` + read), the composition, the kernels and
+the PyTorch peer (argmax, compare, cumprod, as vLLM does), interleaved, at V = 152064 and
+N = 4, 8, 16, with drafts that agree with the argmax for none, half and all of their length.
 
 Usage (where MLX runs on CUDA): ``python benchmarks/fused_greedy.py [--repeats R]``.
 """
@@ -30,12 +29,15 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
 from mlx_spec import accept_greedy, fused, read
 from mlx_spec.bench import time_cases, torch_greedy_peers
+
+NO_ID = mx.array([0xFFFFFFFF], mx.uint32)  # no token equals it: no EOS ids, or no draft (N = 0)
 
 ONE_BLOCK_SOURCE = r"""
 // Argmax of one row by the whole block, and whether the row holds a NaN (then the index is
@@ -210,30 +212,19 @@ def last_block_greedy() -> Callable[[mx.array, mx.array, mx.array], mx.array]:
 
 
 def check(kernel: Callable) -> int:
-    """Compares ``kernel`` with the composition; returns the number of cases."""
-    rng = np.random.default_rng(0)
+    """Compares ``kernel`` with the composition on the cases of ``tests/test_fused.py`` (every
+    dtype, ties, NaN and -inf rows, out-of-vocabulary and negative ids, EOS sets); returns their
+    number."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_fused import GREEDY_SHAPES, greedy_inputs
+
     cases = 0
-    for n, v in [(0, 1), (1, 5), (4, 4099), (8, 152064), (16, 33), (40, 9000)]:
-        for dtype in (mx.float32, mx.bfloat16):
-            for i in range(8):
-                rows = rng.standard_normal((n + 1, v)).astype(np.float32) * [0.5, 3, 30][i % 3]
-                if i % 4 == 1:
-                    rows = np.round(rows)
-                if i % 4 == 2:
-                    rows[rng.integers(n + 1)] = -np.inf
-                if i % 4 == 3:
-                    rows[rng.integers(n + 1), rng.integers(v)] = np.nan
-                logits = mx.array(rows).astype(dtype)
-                choice = np.array(mx.argmax(logits.astype(mx.float32), axis=-1))
-                agree = rng.integers(n + 1)
-                draft = np.where(np.arange(n) < agree, choice[:n], (choice[:n] + 1) % v)
-                if i == 5 and n:
-                    draft[-1] = v
-                d = mx.array(draft.astype(np.uint32)) if n else mx.array([0xFFFFFFFF], mx.uint32)
-                eos = mx.array([int(choice[0]) if i % 2 else 0xFFFFFFFF], mx.uint32)
-                want = np.array(accept_greedy(logits, mx.array(draft, mx.uint32), eos))
-                got = np.array(kernel(logits, d, eos))
-                assert got.tolist() == want.tolist(), (n, v, dtype, i, got, want)
+    for dtype in (mx.float32, mx.float16, mx.bfloat16):
+        for n, v in GREEDY_SHAPES:
+            for logits, draft, eos in greedy_inputs(n, v, dtype, seed=n * 1000 + v):
+                want = np.array(accept_greedy(logits, draft, eos))
+                got = np.array(kernel(logits, draft if n else NO_ID, NO_ID if eos is None else eos))
+                assert got.tolist() == want.tolist(), (n, v, dtype, got, want)
                 cases += 1
     return cases
 
@@ -249,7 +240,6 @@ def timed_cases(
     choice = np.array(mx.argmax(logits, axis=-1))
     draft = mx.array(np.where(np.arange(n) < agree, choice[:n], (choice[:n] + 1) % v))
     draft = draft.astype(mx.uint32)
-    no_eos = mx.array([0xFFFFFFFF], mx.uint32)
     mx.eval(logits, draft)
     cases = {
         "floor": lambda: mx.max(logits, axis=-1).tolist(),
@@ -257,7 +247,7 @@ def timed_cases(
         "two launches": lambda: read(accept_greedy(logits, draft, fused=True)),
     }
     for name, kernel in alternatives.items():
-        cases[name] = lambda kernel=kernel: read(kernel(logits, draft, no_eos))
+        cases[name] = lambda kernel=kernel: read(kernel(logits, draft, NO_ID))
     peers = torch_greedy_peers(rows, np.array(draft))
     if peers:
         cases["torch"] = peers["torch greedy"]

@@ -95,7 +95,11 @@ def test_the_kernel_contract_gives_the_composition(launches, n: int, eos: list |
     assert template == {"T": mx.float32, "D": mx.uint32, "ET": mx.uint32}
 
 
-def _greedy_inputs(n: int, v: int, dtype: mx.Dtype, seed: int) -> list[tuple]:
+#: The shapes ``(N, V)`` of the greedy kernel's checks (also ``benchmarks/fused_greedy.py``'s).
+GREEDY_SHAPES = [(0, 1), (1, 5), (8, 4099), (16, 152064), (40, 33)]
+
+
+def greedy_inputs(n: int, v: int, dtype: mx.Dtype, seed: int) -> list[tuple]:
     """Cases for one shape: agreeing prefixes of every length, ties, NaN rows, -inf rows,
     out-of-vocabulary and negative ids, EOS sets."""
     rng = np.random.default_rng(seed)
@@ -124,9 +128,9 @@ def _greedy_inputs(n: int, v: int, dtype: mx.Dtype, seed: int) -> list[tuple]:
 
 @on_cuda
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-@pytest.mark.parametrize(("n", "v"), [(0, 1), (1, 5), (8, 4099), (16, 152064), (40, 33)])
+@pytest.mark.parametrize(("n", "v"), GREEDY_SHAPES)
 def test_greedy_kernel_equals_the_composition(dtype, n: int, v: int) -> None:
-    for logits, draft, eos in _greedy_inputs(n, v, dtype, seed=n * 1000 + v):
+    for logits, draft, eos in greedy_inputs(n, v, dtype, seed=n * 1000 + v):
         assert _raw(accept_greedy(logits, draft, eos, fused=True)) == _raw(
             accept_greedy(logits, draft, eos, fused=False)
         )
