@@ -381,6 +381,9 @@ def test_read_nests_like_the_leading_axes():
     assert read(single) == (2, 7, True)
     batch = mx.array([[[1, 2, 0], [0, 3, 1]]], dtype=mx.uint32)
     assert read(batch) == [[(1, 2, False), (0, 3, True)]]
+    # Python ints and a bool, batched or not (1 == True would hide an int flag).
+    for verdict in (read(single), read(batch)[0][1]):
+        assert [type(x) for x in verdict] == [int, int, bool]
 
 
 @pytest.mark.parametrize(
