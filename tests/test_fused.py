@@ -9,6 +9,8 @@ inputs, and the generation tests run them (the generation loop uses them on CUDA
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -29,7 +31,9 @@ def _raw(result: mx.array) -> list:
 
 
 @pytest.fixture
-def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[mx.array], dict]]:
+def launches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[list[tuple[str, list[mx.array], dict]]]:
     """Makes the kernels 'available' with the reference launcher; records every launch built."""
     calls: list[tuple[str, list[mx.array], dict]] = []
 
@@ -39,7 +43,10 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[mx.array],
 
     monkeypatch.setattr(fused, "launch", recorded)
     monkeypatch.setattr(fused, "available", lambda stream=None: True)
-    return calls
+    # Uncompiled, every call builds (and records) its launch from the arrays it is given.
+    mx.disable_compile()
+    yield calls
+    mx.enable_compile()
 
 
 def case(n: int, v: int, seed: int) -> dict[str, mx.array]:
@@ -89,10 +96,31 @@ def test_the_kernel_contract_gives_the_composition(launches, n: int, eos: list |
     greedy = accept_greedy(c["logits"], c["draft"], e, fused=True)
     assert _raw(greedy) == _raw(accept_greedy(c["logits"], c["draft"], e, fused=False))
     name, inputs, template = launches[-1]
-    assert name == "greedy" and inputs[0] is c["logits"]
+    assert name == "greedy" and _raw(inputs[0]) == _raw(c["logits"])
     assert inputs[1].shape == ((n,) if n else (1,))
     assert _raw(inputs[2]) == (eos or [0xFFFFFFFF])
     assert template == {"T": mx.float32, "D": mx.uint32, "ET": mx.uint32}
+
+
+def test_fused_greedy_builds_its_launches_once_per_shape(monkeypatch) -> None:
+    # The launches are compiled: calls with the shapes of an earlier call replay its graph on
+    # their own inputs instead of building the launches again (the first call may find a graph
+    # that another test traced).
+    built = []
+
+    def recorded(name: str, inputs: list[mx.array], template: list) -> mx.array:
+        built.append(name)
+        return reference_launch(name, inputs, template)
+
+    monkeypatch.setattr(fused, "launch", recorded)
+    monkeypatch.setattr(fused, "available", lambda stream=None: True)
+    for seed in range(4):
+        c = case(6, 23, seed)
+        got = accept_greedy(c["logits"], c["draft"], ids(5), fused=True)
+        assert _raw(got) == _raw(accept_greedy(c["logits"], c["draft"], ids(5)))
+        if seed == 0:
+            first = len(built)
+    assert first <= 1 and len(built) == first
 
 
 #: The shapes ``(N, V)`` of the greedy kernel's checks (also ``benchmarks/fused_greedy.py``'s).
