@@ -1,19 +1,24 @@
-"""Which greedy kernel? The shipped two-launch kernel against two alternatives, on CUDA.
+"""Which greedy kernel? The shipped two-launch kernel against three alternatives, on CUDA.
 
-The shipped kernel (``mlx_spec.fused``, ``accept_greedy(..., fused=True)``) takes the argmax of
-4096-column slices of every row in its first launch (many blocks: all ``N + 1`` rows at the
-bandwidth of the whole chip), then combines the slices and decides in a second, one-block launch.
-The alternative, shipped before it, is one 1024-thread block that reads row 0, 1, ... and stops at
-the first mismatch: it reads only ``accepted + 1`` rows, but at the bandwidth of one
-multiprocessor (on an H200 at V = 152064: 0.126 ms at N = 4, 0.171 ms at N = 16, against 0.118 ms
-for the PyTorch peer).
+The shipped kernel (``mlx_spec.fused``, ``accept_greedy(..., fused=True)``, its launches built
+inside ``mx.compile``) takes the argmax of 4096-column slices of every row in its first launch
+(many blocks: all ``N + 1`` rows at the bandwidth of the whole chip), then combines the slices and
+decides in a second, one-block launch. The alternatives are timed as plain calls, beside the same
+two launches uncompiled (``two launches, plain``):
 
-A third, ``last block``, does it in one launch: the blocks of the first launch take a ticket from
-an atomic counter and the last to finish decides. MLX must first zero the counter (``init_value``,
-a fill before the kernel), and it measured no faster (on an H200: 0.111 to 0.139 ms at N = 16
-against 0.121 to 0.138 for two launches, 0.30 to 0.38 against 0.12 to 0.15 at N = 4). A counter
-kept zeroed between calls instead would be shared by verifications that one CUDA graph runs side
-by side.
+- ``one block``, shipped before: one 1024-thread block reads row 0, 1, ... and stops at the first
+  mismatch. It reads only ``accepted + 1`` rows, but at the bandwidth of one multiprocessor (on an
+  H200 at V = 152064: 0.126 ms at N = 4, 0.171 ms at N = 16, against 0.118 ms for PyTorch).
+- ``last block``, one launch: the blocks of the first launch take a ticket from an atomic counter
+  and the last to finish decides. MLX must first zero the counter (``init_value``, a fill before
+  the kernel). On an H200 it was erratic: at N = 8 and 16, 0.104 to 0.139 ms in most runs (two
+  launches: 0.10 to 0.27 ms) but 0.19 to 0.97 ms in one; at N = 4, 0.19 to 0.45 ms.
+- ``ring``, one launch without the fill: 1024 counters zeroed once, each call takes the next, and
+  the launch's last block zeroes it again. On an H200 it beat two plain launches in 5 of 6 readings
+  (0.062 to 0.179 ms against 0.087 to 0.256). It is not shipped: under a caller's ``mx.compile``
+  the counter becomes a constant, so two verifications evaluated together could share it and
+  decide wrongly. (A counter made on the host for each call instead lives in managed memory, and
+  the blocks' atomics on it cost 0.36 to 1.0 ms.)
 
 The script first asks MLX how it reads ``grid`` (threads or blocks; the kernels assume threads and
 stay right either way), checks the kernels against the composition (``fused=False``) on the cases
@@ -27,6 +32,7 @@ Usage (where MLX runs on CUDA): ``python benchmarks/fused_greedy.py [--repeats R
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -127,6 +133,30 @@ __device__ void ms_greedy_last_block(const T* logits, const D* draft, const ET* 
 }
 """
 
+RING_SOURCE = r"""
+// As ms_greedy_last_block, with the counter an input kept zeroed between calls: the last block
+// zeroes it again for the next call that takes it.
+template <typename T, typename D, typename ET>
+__device__ void ms_greedy_ring(const T* logits, const D* draft, const ET* eos,
+                               const uint32_t* counter, uint32_t* out, float* part_max,
+                               uint32_t* part_at, int R, int V, int E) {
+  __shared__ bool s_last;
+  const int S = (V + MS_SLICE - 1) / MS_SLICE;
+  ms_slice_argmax<T>(logits, part_max, part_at, R, V);
+  uint32_t* ticket = const_cast<uint32_t*>(counter);
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const bool last = atomicAdd(ticket, 1u) == (uint32_t)(R * S - 1);
+    if (last) *ticket = 0u;
+    s_last = last;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  ms_greedy_decide<D, ET>(part_max, part_at, draft, eos, out, R, S, E);
+}
+"""
+
 
 def grid_counts_threads() -> bool:
     """Whether MLX's ``grid`` counts threads (as Metal's dispatchThreads) rather than blocks."""
@@ -211,6 +241,38 @@ def last_block_greedy() -> Callable[[mx.array, mx.array, mx.array], mx.array]:
     return greedy
 
 
+def ring_greedy() -> Callable[[mx.array, mx.array, mx.array], mx.array]:
+    """The alternative in one launch without a fill: ``(logits, draft, eos) -> [3]`` uint32, as
+    ``fused.greedy``, each call on the next of 1024 counters (not safe under ``mx.compile``)."""
+    kernel = mx.fast.cuda_kernel(
+        name="mlx_spec_greedy_ring",
+        input_names=["logits", "draft", "eos", "counter"],
+        output_names=["out", "part_max", "part_at"],
+        source="ms_greedy_ring<T, D, ET>(logits, draft, eos, counter, out, part_max, part_at, "
+        "logits_shape[0], logits_shape[1], eos_shape[0]);",
+        header=fused._HEADER + RING_SOURCE,
+        ensure_row_contiguous=True,
+    )
+    ring = mx.zeros((1024,), mx.uint32)
+    mx.eval(ring)
+    taken = itertools.count()
+
+    def greedy(logits: mx.array, draft: mx.array, eos: mx.array) -> mx.array:
+        rows, vocab = logits.shape
+        slices = -(-vocab // fused.SLICE)
+        slot = next(taken) % ring.shape[0]
+        return kernel(
+            inputs=[logits, draft, eos, ring[slot : slot + 1]],
+            template=[("T", logits.dtype), ("D", draft.dtype), ("ET", eos.dtype)],
+            grid=(rows * slices * fused.SLICE_THREADS, 1, 1),
+            threadgroup=(fused.SLICE_THREADS, 1, 1),
+            output_shapes=[(3,), (rows, slices), (rows, slices)],
+            output_dtypes=[mx.uint32, mx.float32, mx.uint32],
+        )[0]
+
+    return greedy
+
+
 def check(kernel: Callable) -> int:
     """Compares ``kernel`` with the composition on the cases of ``tests/test_fused.py`` (every
     dtype, ties, NaN and -inf rows, out-of-vocabulary and negative ids, EOS sets); returns their
@@ -245,6 +307,7 @@ def timed_cases(
         "floor": lambda: mx.max(logits, axis=-1).tolist(),
         "composition": lambda: read(accept_greedy(logits, draft)),
         "two launches": lambda: read(accept_greedy(logits, draft, fused=True)),
+        "two launches, plain": lambda: read(fused.greedy(logits, draft, NO_ID)),
     }
     for name, kernel in alternatives.items():
         cases[name] = lambda kernel=kernel: read(kernel(logits, draft, NO_ID))
@@ -261,7 +324,11 @@ def main(argv: list[str] | None = None) -> None:
     if not fused.available():
         sys.exit("fused_greedy.py: needs MLX's CUDA backend (MLX runs on the CPU here)")
     grid_counts_threads()
-    alternatives = {"one block": one_block_greedy(), "last block": last_block_greedy()}
+    alternatives = {
+        "one block": one_block_greedy(),
+        "last block": last_block_greedy(),
+        "ring": ring_greedy(),
+    }
     for name, kernel in {"two launches": fused.greedy, **alternatives}.items():
         print(f"{name} equals the composition on {check(kernel)} cases", flush=True)
     v = 152064
