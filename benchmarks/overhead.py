@@ -8,6 +8,9 @@ At V = 152064 and N + 1 bfloat16 rows (N = 16 by default), the median (and 90th 
 - fused greedy: ``accept_greedy(..., fused=True)`` + ``read``, without EOS ids (where MLX runs
   on CUDA);
 - fused greedy eos: the same with one EOS id, in an array made once as the generation loop's;
+- fused plain: the two launches built anew (``fused.greedy``, not compiled) + ``read``;
+- fused numpy read: ``accept_greedy(..., fused=True)`` read through a NumPy copy, as ``read``
+  read a ``[3]`` result before it took ``tolist``;
 - torch tiny, torch floor, torch greedy: the same in PyTorch on the same GPU (vLLM's way), where
   PyTorch sees a CUDA GPU.
 
@@ -15,6 +18,10 @@ Each case is timed four ways in one run: alone (its runs in a row) before PyTorc
 CUDA in the process; alone after; interleaved with the cases above; and interleaved also with every
 case of ``benchmarks/acceptance.py`` (the composition, mlx-lm's path, the sampled peers), as that
 benchmark times them. Where the interleaved times exceed the lone ones, a case pays for the others.
+
+First, the host time of building each step's graph without evaluating it (median of 2000 builds):
+``mx.max``, ``accept_greedy(..., fused=True)`` (compiled: a replay) and ``fused.greedy`` (both
+launches built anew).
 
 Usage: ``python benchmarks/overhead.py [--drafts N ...] [--repeats R]``.
 """
@@ -51,9 +58,35 @@ def _mlx_cases(n: int) -> tuple[dict[str, Callable[[], object]], np.ndarray, np.
         "mlx floor": lambda: mx.max(rows, axis=-1).tolist(),
     }
     if fused.available():
+        no_id = mx.array([0xFFFFFFFF], mx.uint32)
+        mx.eval(no_id)
         cases["fused greedy"] = lambda: read(accept_greedy(rows, draft, fused=True))
         cases["fused greedy eos"] = lambda: read(accept_greedy(rows, draft, eos, fused=True))
+        cases["fused plain"] = lambda: read(fused.greedy(rows, draft, no_id))
+        cases["fused numpy read"] = lambda: np.array(accept_greedy(rows, draft, fused=True))
     return cases, rows_np, np.array(draft)
+
+
+def _build_times(n: int, builds: int = 2000) -> dict[str, float]:
+    """Host seconds to build (not evaluate) each step's graph at draft length ``n``."""
+    rows = mx.zeros((n + 1, V), mx.bfloat16)
+    draft = mx.zeros((n,), mx.uint32)
+    no_id = mx.array([0xFFFFFFFF], mx.uint32)
+    mx.eval(rows, draft, no_id)
+    steps: dict[str, Callable[[], object]] = {"mx.max": lambda: mx.max(rows, axis=-1)}
+    if fused.available():
+        steps["accept_greedy fused"] = lambda: accept_greedy(rows, draft, fused=True)
+        steps["fused.greedy"] = lambda: fused.greedy(rows, draft, no_id)
+    times = {}
+    for name, build in steps.items():
+        build()
+        samples = []
+        for _ in range(builds):
+            start = time.perf_counter()
+            build()
+            samples.append(time.perf_counter() - start)
+        times[name] = statistics.median(samples)
+    return times
 
 
 def _torch_cases(rows_np: np.ndarray, draft_np: np.ndarray) -> dict[str, Callable[[], object]]:
@@ -101,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     for n in args.drafts:
+        built = _build_times(n)
         mlx_cases, rows_np, draft_np = _mlx_cases(n)
         before = _alone(mlx_cases, args.repeats)
         torch_cases = _torch_cases(rows_np, draft_np)
@@ -108,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         mixed = time_cases({**mlx_cases, **torch_cases}, args.repeats)
         among_all = time_cases({**acceptance_cases(V, n), **mlx_cases, **torch_cases}, args.repeats)
         print(f"\nN = {n}")
+        print("building the graph: " + ", ".join(f"{k} {t * 1e6:.1f} us" for k, t in built.items()))
         print(
             f"{'case':<17} {'alone, no torch':>15} {'alone':>15} {'interleaved':>15} "
             f"{'among all':>15}"
