@@ -12,7 +12,7 @@ two launches uncompiled (``two launches, plain``):
 - ``last block``, one launch: the blocks of the first launch take a ticket from an atomic counter
   and the last to finish decides. MLX must first zero the counter (``init_value``, a fill before
   the kernel). On an H200 it was erratic: at N = 8 and 16, 0.104 to 0.139 ms in most runs (two
-  launches: 0.10 to 0.27 ms) but 0.19 to 0.97 ms in one; at N = 4, 0.19 to 0.45 ms.
+  launches: 0.09 to 0.27 ms) but 0.19 to 0.97 ms in one; at N = 4, 0.19 to 0.45 ms.
 - ``ring``, one launch without the fill: 1024 counters zeroed once, each call takes the next, and
   the launch's last block zeroes it again. On an H200 it beat two plain launches in 5 of 6 readings
   (0.062 to 0.179 ms against 0.087 to 0.256). It is not shipped: under a caller's ``mx.compile``
