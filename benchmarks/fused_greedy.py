@@ -110,44 +110,21 @@ __device__ void ms_greedy(const T* logits, const D* draft, const ET* eos, uint32
 }
 """
 
-LAST_BLOCK_SOURCE = r"""
-// Every block takes the argmax of one slice, as the shipped first launch does; the last block to
-// finish (its ticket from a counter that MLX zeroes) decides. `work`: [4 + 2 R S] uint32, the
-// result, the counter, then the slices' maxima (as float bits) and their indices.
+ONE_LAUNCH_SOURCE = r"""
+// Every block takes the argmax of one slice, as the shipped first launch does, then a ticket from
+// `counter`; the last block to take one decides, and zeroes the counter again (for a counter kept
+// between calls).
 template <typename T, typename D, typename ET>
-__device__ void ms_greedy_last_block(const T* logits, const D* draft, const ET* eos,
-                                     uint32_t* work, int R, int V, int E) {
-  __shared__ bool s_last;
-  const int S = (V + MS_SLICE - 1) / MS_SLICE;
-  float* part_max = reinterpret_cast<float*>(work + 4);
-  uint32_t* part_at = work + 4 + (size_t)R * S;
-  ms_slice_argmax<T>(logits, part_max, part_at, R, V);
-  if (threadIdx.x == 0) {
-    __threadfence();
-    s_last = atomicAdd(work + 3, 1u) == (uint32_t)(R * S - 1);
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  ms_greedy_decide<D, ET>(part_max, part_at, draft, eos, work, R, S, E);
-}
-"""
-
-RING_SOURCE = r"""
-// As ms_greedy_last_block, with the counter an input kept zeroed between calls: the last block
-// zeroes it again for the next call that takes it.
-template <typename T, typename D, typename ET>
-__device__ void ms_greedy_ring(const T* logits, const D* draft, const ET* eos,
-                               const uint32_t* counter, uint32_t* out, float* part_max,
-                               uint32_t* part_at, int R, int V, int E) {
+__device__ void ms_greedy_one_launch(const T* logits, const D* draft, const ET* eos,
+                                     uint32_t* counter, uint32_t* out, float* part_max,
+                                     uint32_t* part_at, int R, int V, int E) {
   __shared__ bool s_last;
   const int S = (V + MS_SLICE - 1) / MS_SLICE;
   ms_slice_argmax<T>(logits, part_max, part_at, R, V);
-  uint32_t* ticket = const_cast<uint32_t*>(counter);
   if (threadIdx.x == 0) {
     __threadfence();
-    const bool last = atomicAdd(ticket, 1u) == (uint32_t)(R * S - 1);
-    if (last) *ticket = 0u;
+    const bool last = atomicAdd(counter, 1u) == (uint32_t)(R * S - 1);
+    if (last) *counter = 0u;
     s_last = last;
   }
   __syncthreads();
@@ -217,12 +194,17 @@ def one_block_greedy() -> Callable[[mx.array, mx.array, mx.array], mx.array]:
 def last_block_greedy() -> Callable[[mx.array, mx.array, mx.array], mx.array]:
     """The alternative in one launch: ``(logits, draft, eos) -> [3]`` uint32, as
     ``fused.greedy``."""
+    # `work`: [4 + 2 R S] uint32, the result, the counter (zeroed by MLX), then the slices' maxima
+    # (as float bits) and their indices.
     kernel = _alternative(
         "last_block",
         "work",
-        "ms_greedy_last_block<T, D, ET>(logits, draft, eos, work, logits_shape[0], "
+        "const int S = (logits_shape[1] + MS_SLICE - 1) / MS_SLICE; "
+        "uint32_t* parts = work + 4; "
+        "ms_greedy_one_launch<T, D, ET>(logits, draft, eos, work + 3, work, "
+        "reinterpret_cast<float*>(parts), parts + (size_t)logits_shape[0] * S, logits_shape[0], "
         "logits_shape[1], eos_shape[0]);",
-        LAST_BLOCK_SOURCE,
+        ONE_LAUNCH_SOURCE,
     )
 
     def greedy(logits: mx.array, draft: mx.array, eos: mx.array) -> mx.array:
@@ -248,9 +230,9 @@ def ring_greedy() -> Callable[[mx.array, mx.array, mx.array], mx.array]:
         name="mlx_spec_greedy_ring",
         input_names=["logits", "draft", "eos", "counter"],
         output_names=["out", "part_max", "part_at"],
-        source="ms_greedy_ring<T, D, ET>(logits, draft, eos, counter, out, part_max, part_at, "
-        "logits_shape[0], logits_shape[1], eos_shape[0]);",
-        header=fused._HEADER + RING_SOURCE,
+        source="ms_greedy_one_launch<T, D, ET>(logits, draft, eos, const_cast<uint32_t*>(counter), "
+        "out, part_max, part_at, logits_shape[0], logits_shape[1], eos_shape[0]);",
+        header=fused._HEADER + ONE_LAUNCH_SOURCE,
         ensure_row_contiguous=True,
     )
     ring = mx.zeros((1024,), mx.uint32)
