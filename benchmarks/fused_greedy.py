@@ -43,8 +43,6 @@ import numpy as np
 from mlx_spec import accept_greedy, fused, read
 from mlx_spec.bench import time_cases, torch_greedy_peers
 
-NO_ID = mx.array([0xFFFFFFFF], mx.uint32)  # no token equals it: no EOS ids, or no draft (N = 0)
-
 ONE_BLOCK_SOURCE = r"""
 // Argmax of one row by the whole block, and whether the row holds a NaN (then the index is
 // meaningless). 16-byte loads when the row is aligned.
@@ -267,7 +265,11 @@ def check(kernel: Callable) -> int:
         for n, v in GREEDY_SHAPES:
             for logits, draft, eos in greedy_inputs(n, v, dtype, seed=n * 1000 + v):
                 want = np.array(accept_greedy(logits, draft, eos))
-                got = np.array(kernel(logits, draft if n else NO_ID, NO_ID if eos is None else eos))
+                got = np.array(
+                    kernel(
+                        logits, draft if n else fused.no_id(), fused.no_id() if eos is None else eos
+                    )
+                )
                 assert got.tolist() == want.tolist(), (n, v, dtype, got, want)
                 cases += 1
     return cases
@@ -289,10 +291,10 @@ def timed_cases(
         "floor": lambda: mx.max(logits, axis=-1).tolist(),
         "composition": lambda: read(accept_greedy(logits, draft)),
         "two launches": lambda: read(accept_greedy(logits, draft, fused=True)),
-        "two launches, plain": lambda: read(fused.greedy(logits, draft, NO_ID)),
+        "two launches, plain": lambda: read(fused.greedy(logits, draft, fused.no_id())),
     }
     for name, kernel in alternatives.items():
-        cases[name] = lambda kernel=kernel: read(kernel(logits, draft, NO_ID))
+        cases[name] = lambda kernel=kernel: read(kernel(logits, draft, fused.no_id()))
     peers = torch_greedy_peers(rows, np.array(draft))
     if peers:
         cases["torch"] = peers["torch greedy"]

@@ -58,11 +58,9 @@ def _mlx_cases(n: int) -> tuple[dict[str, Callable[[], object]], np.ndarray, np.
         "mlx floor": lambda: mx.max(rows, axis=-1).tolist(),
     }
     if fused.available():
-        no_id = mx.array([0xFFFFFFFF], mx.uint32)
-        mx.eval(no_id)
         cases["fused greedy"] = lambda: read(accept_greedy(rows, draft, fused=True))
         cases["fused greedy eos"] = lambda: read(accept_greedy(rows, draft, eos, fused=True))
-        cases["fused plain"] = lambda: read(fused.greedy(rows, draft, no_id))
+        cases["fused plain"] = lambda: read(fused.greedy(rows, draft, fused.no_id()))
         cases["fused numpy read"] = lambda: np.array(accept_greedy(rows, draft, fused=True))
     return cases, rows_np, np.array(draft)
 
@@ -71,12 +69,11 @@ def _build_times(n: int, builds: int = 2000) -> dict[str, float]:
     """Host seconds to build (not evaluate) each step's graph at draft length ``n``."""
     rows = mx.zeros((n + 1, V), mx.bfloat16)
     draft = mx.zeros((n,), mx.uint32)
-    no_id = mx.array([0xFFFFFFFF], mx.uint32)
-    mx.eval(rows, draft, no_id)
+    mx.eval(rows, draft)
     steps: dict[str, Callable[[], object]] = {"mx.max": lambda: mx.max(rows, axis=-1)}
     if fused.available():
         steps["accept_greedy fused"] = lambda: accept_greedy(rows, draft, fused=True)
-        steps["fused.greedy"] = lambda: fused.greedy(rows, draft, no_id)
+        steps["fused.greedy"] = lambda: fused.greedy(rows, draft, fused.no_id())
     times = {}
     for name, build in steps.items():
         build()

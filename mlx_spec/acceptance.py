@@ -69,12 +69,6 @@ def _use_fused(op: str, fused: bool, stream: StreamOrDevice, vocab: int | None =
     return True
 
 
-@cache
-def _no_id() -> mx.array:
-    """``[1]`` uint32 ``0xFFFFFFFF``: no token equals it; stands in for a missing eos or draft."""
-    return mx.array([0xFFFFFFFF], mx.uint32)
-
-
 # Boolean `&` and `|` are avoided: under mx.vmap, MLX 0.32's bitwise ops mix up a batched and an
 # unbatched operand (mx.vmap(lambda x: x & m)(X) is wrong); logical_and and logical_or are right.
 
@@ -178,7 +172,9 @@ def accept_greedy(
     with _on(stream):
         if _use_fused(op, fused, stream):
             return _fused_greedy_graph(
-                logits, draft if n else _no_id(), _no_id() if eos is None else eos
+                logits,
+                draft if n else fused_kernels.no_id(),
+                fused_kernels.no_id() if eos is None else eos,
             )
         return _greedy_graph(device_type(stream) == mx.DeviceType.cpu)(logits, draft, eos)
 
@@ -373,8 +369,8 @@ def _fused_sampled_graph(
     return fused_kernels.sampled(
         probs,
         probs if q is None or n == 0 else q,
-        draft if n else _no_id(),
-        _no_id() if eos is None else eos,
+        draft if n else fused_kernels.no_id(),
+        fused_kernels.no_id() if eos is None else eos,
         mx.random.uniform(shape=(n + 1,), key=key),
         has_q=q is not None and n > 0,
     )

@@ -408,6 +408,13 @@ _SAMPLED = (
 MAX_VOCAB = 1 << 24
 
 
+@cache
+def no_id() -> mx.array:
+    """``[1]`` uint32 ``0xFFFFFFFF``: no token equals it; the kernels' stand-in for a missing eos
+    or draft."""
+    return mx.array([0xFFFFFFFF], mx.uint32)
+
+
 def available(stream: StreamOrDevice = None) -> bool:
     """Whether the fused kernels can run on ``stream`` (MLX's CUDA backend, a GPU stream)."""
     return mx.cuda.is_available() and device_type(stream) == mx.DeviceType.gpu
@@ -478,7 +485,7 @@ def greedy(logits: mx.array, draft: mx.array, eos: mx.array) -> mx.array:
     Args:
         logits (array): ``[N + 1, V]`` float32, float16 or bfloat16.
         draft (array): ``[N]`` uint32 or int32 (``[1]``, not read, when ``N = 0``).
-        eos (array): ``[E]`` uint32 or int32, ``E >= 1`` (``[0xFFFFFFFF]`` for none).
+        eos (array): ``[E]`` uint32 or int32, ``E >= 1`` (:func:`no_id` for none).
 
     Returns:
         array: lazy ``[3]`` uint32 ``[accepted, next, eos_hit]``, as the composition's.
@@ -503,7 +510,7 @@ def sampled(
         q (array): ``[N, V]`` draft distributions when ``has_q``, else any float array (not
             read).
         draft (array): ``[N]`` uint32 or int32 (``[1]``, not read, when ``N = 0``).
-        eos (array): ``[E]`` uint32 or int32, ``E >= 1`` (``[0xFFFFFFFF]`` for none).
+        eos (array): ``[E]`` uint32 or int32, ``E >= 1`` (:func:`no_id` for none).
         u (array): ``[N + 1]`` float32 uniforms: ``N`` ratio tests, then the draw of ``next``.
         has_q (bool): whether ``q`` holds the draft distributions (else point masses).
 
