@@ -14,7 +14,8 @@ median latency (interleaved repeats, one run) of:
 - torch: where PyTorch sees a CUDA GPU and MLX runs on the GPU, the same acceptance written the
   way vLLM's rejection sampler does it (argmax, compare, cumprod; ratio test, residual,
   exponential-race sampling), on the same GPU;
-- fused: where MLX runs on CUDA, mlx-spec's fused kernels (``fused=True``: one launch each).
+- fused: where MLX runs on CUDA, mlx-spec's fused kernels (``fused=True``: greedy two launches,
+  sampled one after the uniforms).
 
 The cases and their timing live in :mod:`mlx_spec.bench` (``mlx-spec bench`` runs them too, and
 plots them); this script adds the oracle.

@@ -2,10 +2,10 @@
 
 On a GPU a verification costs kernel launches more than passes over memory, so the number of
 primitives that run (after ``mx.compile`` has fused element-wise chains) is the cost to cut. Where
-MLX runs on CUDA, the fused kernels (``fused=True``, one ``CustomKernel`` each) are counted too.
-The graph is exported with ``mx.export_to_dot`` and its
-primitive nodes are counted; views that launch nothing (reshape, squeeze, broadcast, slice, ...)
-are listed apart.
+MLX runs on CUDA, the fused paths (``fused=True``: two ``CustomKernel`` launches for greedy, one
+for sampled after its uniforms) are counted too. The graph is exported with ``mx.export_to_dot``
+and its primitive nodes are counted; views that launch nothing (reshape, squeeze, broadcast,
+slice, ...) are listed apart.
 
 Usage: ``python benchmarks/kernels.py [--vocab V] [--draft N]``.
 """
