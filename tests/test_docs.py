@@ -1,7 +1,9 @@
-"""Every ```python block in README.md and docs/*.md runs, in order, one namespace per file; and
-.ci/run runs exactly the test command that README.md gives."""
+"""Every ```python block in README.md and docs/*.md runs, in order, one namespace per file; every
+script in examples/ runs; and .ci/run runs exactly the test command that README.md gives."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,20 @@ def test_code_blocks_run(path, tmp_path, monkeypatch):
     for i, block in enumerate(python_blocks(path)):
         code = compile(block, f"{path.name} block {i + 1}", "exec")
         exec(code, namespace)
+
+
+def test_quickstart_runs_and_keeps_the_agreeing_prefix():
+    # The example's greedy draft agrees with the target's argmax on its first two tokens only.
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "quickstart.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert re.search(r"^greedy: .* -> keep 2, then \d+", run.stdout, re.MULTILINE), run.stdout
+    assert len(re.findall(r"^batched: \(\d+, \d+, (True|False)\)$", run.stdout, re.MULTILINE)) == 4
 
 
 def test_readme_has_python_examples():
