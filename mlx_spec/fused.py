@@ -27,16 +27,23 @@ import mlx.core as mx
 from ._checks import StreamOrDevice, device_type
 
 THREADS = 1024  # a one-block kernel's threads; the sources assume 32 full warps
-SLICE = 4096  # greedy: columns of a row per block of the first launch (MS_SLICE)
-SLICE_THREADS = 256  # greedy: threads per block of the first launch (MS_SLICE_THREADS)
+SLICE = 4096  # greedy: columns of a row per block of the first launch
+SLICE_THREADS = 256  # greedy: threads per block of the first launch
+MAX_COLUMNS = 4096  # sampled: the most strided blocks of the draw (they live in shared memory)
 
-_HEADER = r"""
-#define MS_THREADS 1024
+#: The largest vocabulary of the sampled kernel: its strided blocks, about ``sqrt(V)``, must fit.
+MAX_VOCAB = MAX_COLUMNS**2
+
+# The constants above, as the CUDA sources see them.
+_DEFINES = f"""
+#define MS_THREADS {THREADS}
 #define MS_INVALID 0x80000000u
-#define MS_MAX_COLUMNS 4096
-#define MS_SLICE 4096
-#define MS_SLICE_THREADS 256
+#define MS_MAX_COLUMNS {MAX_COLUMNS}
+#define MS_SLICE {SLICE}
+#define MS_SLICE_THREADS {SLICE_THREADS}
+"""
 
+_FUNCTIONS = r"""
 __device__ __forceinline__ float ms_float(float x) { return x; }
 __device__ __forceinline__ float ms_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float ms_float(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -394,6 +401,9 @@ __device__ void ms_sampled(const T* probs, const Q* q, const D* draft, const ET*
 }
 """
 
+#: What every kernel's source sees: the constants, then the device functions.
+_HEADER = _DEFINES + _FUNCTIONS
+
 _SLICES = "ms_slice_argmax<T>(logits, part_max, part_at, logits_shape[0], logits_shape[1]);"
 _DECIDE = (
     "if (ms_first_block()) ms_greedy_decide<D, ET>(part_max, part_at, draft, eos, out, "
@@ -403,9 +413,6 @@ _SAMPLED = (
     "ms_sampled<T, Q, D, ET, HAS_Q>(probs, q, draft, eos, u, out, probs_shape[0] - 1, "
     "probs_shape[1], eos_shape[0]);"
 )
-
-#: The largest vocabulary of the sampled kernel (its strided blocks must fit shared memory).
-MAX_VOCAB = 1 << 24
 
 
 @cache
