@@ -161,7 +161,7 @@ class _Speculation:
         self.processors = list(logits_processors)
         self.eos_set = set(eos)
         self.eos_array = mx.array(eos, dtype=mx.uint32) if eos else None
-        # One launch per verification where MLX runs on CUDA (the loop never vmaps).
+        # The fused kernels where MLX runs on CUDA (the loop never vmaps).
         self.fused = fused_kernels.available()
         self.key = key
         self.quantize = quantize

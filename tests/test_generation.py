@@ -361,8 +361,8 @@ def test_same_key_same_tokens_and_seed_works(target, drafts) -> None:
 
 @pytest.mark.parametrize("temp", [0.0, 1.0])
 def test_loop_verifies_with_the_fused_kernels_where_they_run(monkeypatch, target, drafts, temp):
-    # On CUDA the loop passes fused=True; here the kernels are a launcher that runs the
-    # composition on the kernels' inputs: every round goes through it, with the same tokens.
+    # On CUDA the loop passes fused=True: every round goes through the kernels' launch, and the
+    # tokens are those of a run that is not recorded.
     args = (PROMPT, target, drafts["truncated"])
     options = dict(sampler=make_sampler(temp=temp), max_tokens=40, key=mx.random.key(7))
     plain, _, _ = run(*args, **options)
