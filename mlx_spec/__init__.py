@@ -1,7 +1,7 @@
 """mlx-spec: lossless, cheap speculative-decoding acceptance for MLX.
 
-The acceptance ops and the samplers need only MLX. The generation loop and the mlx-lm patch
-(``speculative_generate_step``, ``stream_generate``, ``generate``, ``patch_mlx_lm``, ...) need
+The acceptance ops and the samplers need only MLX. The generation loop, the drafters and the
+mlx-lm patch (``speculative_generate_step``, ``PromptLookupDrafter``, ``patch_mlx_lm``, ...) need
 mlx-lm (``pip install "mlx-spec[lm]"``) and are imported on first use.
 """
 
@@ -11,15 +11,19 @@ from typing import Any
 from .acceptance import INVALID_ROW, accept_greedy, accept_sampled, read
 from .sampling import SpecSampler, make_sampler
 
-_GENERATION = (
-    "SpeculativeResponse",
-    "SpeculativeStats",
-    "generate",
-    "patch_mlx_lm",
-    "speculative_generate_step",
-    "stream_generate",
-    "unpatch_mlx_lm",
-)
+# Names that need mlx-lm, by the module that defines them (imported on first use).
+_NEEDS_MLX_LM = {
+    "Drafter": "drafters",
+    "ModelDrafter": "drafters",
+    "PromptLookupDrafter": "drafters",
+    "SpeculativeResponse": "generation",
+    "SpeculativeStats": "generation",
+    "generate": "generation",
+    "speculative_generate_step": "generation",
+    "stream_generate": "generation",
+    "patch_mlx_lm": "patch",
+    "unpatch_mlx_lm": "patch",
+}
 
 __all__ = [
     "INVALID_ROW",
@@ -28,15 +32,15 @@ __all__ = [
     "accept_sampled",
     "make_sampler",
     "read",
-    *_GENERATION,
+    *_NEEDS_MLX_LM,
 ]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    if name in _GENERATION:
+    if name in _NEEDS_MLX_LM:
         try:
-            module = import_module(".generation", __name__)
+            module = import_module(f".{_NEEDS_MLX_LM[name]}", __name__)
         except ImportError as error:
             raise ImportError(
                 f"mlx_spec.{name} needs mlx-lm: pip install 'mlx-spec[lm]' ({error})"

@@ -1,27 +1,29 @@
 """Speculative generation for mlx-lm with lossless acceptance at any temperature.
 
 :func:`speculative_generate_step` has the signature and the yields of
-``mlx_lm.generate.speculative_generate_step``. Each round:
+``mlx_lm.generate.speculative_generate_step``, and also drafts without a second model
+(``drafter="prompt-lookup"``). Each round:
 
-1. the draft model proposes ``N`` tokens, drawn from the sampler's distribution of its logits
-   (:meth:`mlx_spec.sampling.SpecSampler.probs`) with keys split from the round's key;
-2. the target scores the ``N + 1`` positions in one call;
-3. :func:`mlx_spec.accept_sampled` (or :func:`mlx_spec.accept_greedy` for a greedy sampler)
-   decides, on the device, how many draft tokens to keep and the token after them;
+1. the drafter (:mod:`mlx_spec.drafters`) proposes up to ``N`` tokens, with the distributions
+   they were drawn from when the generation samples;
+2. the target scores the tokens it still lacks and the ``N`` drafts in one call;
+3. the generation's rule (:mod:`mlx_spec.rules`) decides on the device how many draft tokens to
+   keep and the token after them (:func:`mlx_spec.accept_greedy` or
+   :func:`mlx_spec.accept_sampled`);
 4. one host read brings back that ``[3]`` result together with the draft tokens;
-5. both caches are trimmed to what was kept.
+5. every cache is taken back to what was kept (:mod:`mlx_spec.caches`): trimmed where that is
+   exact, else restored from a checkpoint, the kept tokens then going into the next round's call.
 
-At temperature > 0 the emitted tokens then have exactly the distribution of sampling the target
-alone, where mlx-lm's own loop keeps a draft token only when the target's sample equals it.
-:func:`stream_generate` and :func:`generate` mirror mlx-lm's functions; :func:`patch_mlx_lm`
-routes mlx-lm's own ``stream_generate``, ``generate``, ``mlx_lm.generate`` command and server
-through this loop.
+``N`` is ``num_draft_tokens``, or with ``adaptive=True`` the number that pays most each round
+(:mod:`mlx_spec.draft_length`). :func:`stream_generate` and :func:`generate` mirror mlx-lm's
+functions.
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
+import math
+import numbers
 import time
 import warnings
 from collections.abc import Callable, Generator, Iterable, Sequence
@@ -31,43 +33,40 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import mlx_lm.sample_utils as _lm_sample_utils
-from mlx_lm.generate import (
-    GenerationResponse,
-    generation_stream,
-    maybe_quantize_kv_cache,
-    wired_limit,
-)
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.generate import GenerationResponse, generation_stream, wired_limit
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import fused as fused_kernels
 from ._checks import check_key, describe
-from .acceptance import INVALID_ROW, accept_greedy, accept_sampled
-from .sampling import make_sampler
+from .acceptance import INVALID_ROW
+from .caches import ModelCache, check_caches, decode_masks
+from .draft_length import DraftLength
+from .drafters import Drafter, DraftSetup, ModelDrafter, PromptLookupDrafter, Text
+from .rules import Rule, make_rule
 
 # The module, not the function ``mlx_lm.generate`` that the package exports under that name.
 _lm_generate = importlib.import_module("mlx_lm.generate")
 
 __all__ = [
+    "MAX_DRAFT_TOKENS",
     "SpeculativeResponse",
     "SpeculativeStats",
     "generate",
-    "patch_mlx_lm",
     "speculative_generate_step",
     "stream_generate",
-    "unpatch_mlx_lm",
 ]
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 StreamLike = mx.Stream | mx.ThreadLocalStream | mx.Device
 
-# mlx-lm's functions, as they were when this module was imported.
-_LM_SPECULATIVE_STEP = _lm_generate.speculative_generate_step
+#: The most draft tokens a round may take. Past a few dozen, a verification costs more with every
+#: token while the tokens a round keeps stay bounded by ``1 / (1 - acceptance)``.
+MAX_DRAFT_TOKENS = 128
+
+# mlx-lm's function, as it was when this module was imported (before any patch).
 _LM_STREAM_GENERATE = _lm_generate.stream_generate
-_LM_MAKE_SAMPLER = _lm_sample_utils.make_sampler
-_LM_GREEDY = _lm_sample_utils.greedy_sampler
 
 
 @dataclass
@@ -76,15 +75,18 @@ class SpeculativeStats:
 
     Attributes:
         rounds (int): verification calls of the target.
-        drafted (int): draft tokens proposed, over all rounds.
+        drafted (int): draft tokens verified, over all rounds.
         accepted (int): draft tokens the target accepted, over all rounds.
         generated (int): tokens yielded to the caller.
+        replayed (int): tokens fed to the target again because its caches were restored from a
+            checkpoint (models with recurrent layers), over all rounds.
     """
 
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
     generated: int = 0
+    replayed: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -109,180 +111,150 @@ class SpeculativeResponse(GenerationResponse):
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
 
 
-def _opaque_warning() -> None:
-    warnings.warn(
-        "speculative_generate_step: the sampler does not expose its distribution (no `probs`), so "
-        "draft tokens are accepted only when the target's own sample equals them (mlx-lm's rule): "
-        "still lossless, but few drafts are kept at temperature > 0. Use "
-        "mlx_spec.sampling.make_sampler for rejection sampling.",
-        stacklevel=3,
-    )
+def _vocab_size(model: nn.Module) -> int | None:
+    """The ids ``model`` can embed: its first embedding's rows (``None`` if it has none)."""
+    for _, module in model.named_modules():
+        if isinstance(module, nn.QuantizedEmbedding):
+            return module.num_embeddings
+        if isinstance(module, nn.Embedding):
+            return module.weight.shape[0]
+    return None
 
 
-def _fit_vocab(rows: mx.array, vocab: int) -> mx.array:
-    """The draft's ``[n, V_d]`` distributions as ``[n, V]``: zero-padded, or cut to ``V``.
-
-    Mass a draft puts on ids the target lacks is rejected anyway (an id >= ``V`` is never
-    accepted), and the residual over the target's ids stays exact, so cutting is lossless.
-    """
-    have = rows.shape[-1]
-    if have == vocab:
-        return rows
-    if have > vocab:
-        return rows[:, :vocab]
-    return mx.pad(rows, [(0, 0), (0, vocab - have)])
-
-
-class _Speculation:
-    """One speculative generation: both models, their caches and how much of the text each saw.
-
-    The text is ``prompt`` followed by ``emitted``; ``fed[m]`` counts its tokens held in model
-    ``m``'s cache (0: target, 1: draft). Every cache holds a prefix of the text.
-    """
+class _Target:
+    """The target model: its caches, its logits processors and the ids it can embed."""
 
     def __init__(
         self,
-        prompt: mx.array,
-        models: tuple[nn.Module, nn.Module],
-        caches: tuple[list[Any], list[Any]],
-        sampler: Any,
-        mode: str,
-        logits_processors: Sequence[LogitsProcessor],
+        model: nn.Module,
+        cache: ModelCache,
+        processors: Sequence[LogitsProcessor],
+        quantize: Callable[[list[Any]], None],
+        quantized_kv_start: int | None,
+        vocab: int | None,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.processors = list(processors)
+        self.quantize = quantize
+        self.quantized_kv_start = quantized_kv_start
+        self.vocab = vocab
+
+    def feed(self, tokens: mx.array) -> mx.array:
+        """Runs the model on ``[k]`` tokens; returns its ``[k, V]`` logits (lazy)."""
+        logits = self.model(tokens[None], cache=self.cache.layers)
+        self.cache.fed(tokens.size)
+        return logits[0]
+
+    def prefill(self, text: Text, step: int) -> None:
+        """Feeds all prompt tokens but the last, ``step`` at a time, quantizing as mlx-lm does."""
+        while self.cache.length < len(text) - 1:
+            self.feed(text.tokens(self.cache.length, min(self.cache.length + step, len(text) - 1)))
+            self.quantize(self.cache.layers)
+            mx.eval([c.state for c in self.cache.layers])
+
+    def room(self) -> int:
+        """How many tokens a call may feed before a cache still in full precision passes the
+        length from which mlx-lm quantizes it: mlx-lm's one-token steps switch there, so a
+        verification must not straddle it to give the same logits."""
+        if self.quantized_kv_start is None:
+            return MAX_DRAFT_TOKENS + 1
+        offsets = [c.offset for c in self.cache.layers if type(c) is KVCache]
+        if not offsets or max(offsets) >= self.quantized_kv_start:
+            return MAX_DRAFT_TOKENS + 1
+        return self.quantized_kv_start - max(offsets)
+
+    def verify(self, text: Text, draft: mx.array) -> mx.array:
+        """Scores the tokens the caches lack and ``[N]`` draft tokens in one call.
+
+        Returns:
+            array: the ``[N + 1, V]`` logits (after the processors) of the positions that decide
+            the draft, lazy.
+        """
+        n = draft.size
+        self.cache.checkpoint()
+        # A draft id the target cannot embed is never accepted; feed a valid id in its place.
+        fed = draft if self.vocab is None else mx.minimum(draft, self.vocab - 1)
+        with decode_masks(self.cache.layers):
+            logits = self.feed(mx.concatenate([text.tokens(self.cache.length), fed]))[-(n + 1) :]
+        if not self.processors:
+            return logits
+        context = text.array()
+        rows = []
+        for i in range(n + 1):
+            tokens = mx.concatenate([context, draft[:i]]) if i else context
+            row = logits[i : i + 1]
+            for processor in self.processors:
+                row = processor(tokens, row)
+            rows.append(row)
+        return mx.concatenate(rows)
+
+    def keep(self, length: int) -> int:
+        """Keeps ``length`` tokens of the text, or fewer where a checkpoint had to be restored;
+        then quantizes as mlx-lm would. Returns the tokens the caches hold."""
+        held = self.cache.rewind(length)
+        self.cache.forget()
+        self.quantize(self.cache.layers)
+        return held
+
+
+class _Generation:
+    """One speculative generation: the text, the target, the drafter and the rule."""
+
+    def __init__(
+        self,
+        text: Text,
+        target: _Target,
+        drafter: Drafter,
+        rule: Rule,
+        lengths: DraftLength,
         eos: list[int],
         key: mx.array | None,
-        quantize: Callable[[list[Any]], None],
         stats: SpeculativeStats,
     ) -> None:
-        self.prompt = prompt
-        self.models = models
-        self.caches = caches
-        self.sampler = sampler
-        self.mode = mode
-        self.processors = list(logits_processors)
+        self.text = text
+        self.target = target
+        self.drafter = drafter
+        self.rule = rule
+        self.lengths = lengths
         self.eos_set = set(eos)
         self.eos_array = mx.array(eos, dtype=mx.uint32) if eos else None
         # The fused kernels where MLX runs on CUDA (the loop never vmaps).
         self.fused = fused_kernels.available()
         self.key = key
-        self.quantize = quantize
         self.stats = stats
-        self.emitted: list[int] = []
-        self.fed = [0, 0]
-        self.context = prompt if self.processors else None
 
-    def text(self, start: int, stop: int) -> mx.array:
-        """``[stop - start]`` uint32 tokens of the text."""
-        p = self.prompt.size
-        parts = []
-        if start < p:
-            parts.append(self.prompt[start : min(stop, p)])
-        if stop > p:
-            parts.append(mx.array(self.emitted[max(start - p, 0) : stop - p], dtype=mx.uint32))
-        return parts[0] if len(parts) == 1 else mx.concatenate(parts)
-
-    def feed(self, m: int, tokens: mx.array) -> mx.array:
-        """Runs model ``m`` on ``[k]`` tokens and returns its ``[k, V]`` logits (lazy)."""
-        logits = self.models[m](tokens[None], cache=self.caches[m])
-        self.quantize(self.caches[m])
-        self.fed[m] += tokens.size
-        return logits[0]
-
-    def trim_to(self, m: int, length: int) -> None:
-        if self.fed[m] > length:
-            trim_prompt_cache(self.caches[m], self.fed[m] - length)
-            self.fed[m] = length
-
-    def prefill(self, step: int, progress: Callable[[int, int], None]) -> None:
-        """Feeds all prompt tokens but the last to both models, ``step`` tokens at a time."""
-        total = self.prompt.size
-        progress(0, total)
-        for m in (1, 0):
-            while self.fed[m] < total - 1:
-                stop = min(self.fed[m] + step, total - 1)
-                self.feed(m, self.prompt[self.fed[m] : stop])
-                mx.eval([c.state for c in self.caches[m]])
-        progress(total, total)
-
-    def process(self, logits: mx.array, drafts: list[mx.array]) -> mx.array:
-        """Applies the logits processors to ``[1, V]`` logits following the text and ``drafts``."""
-        if not self.processors:
-            return logits
-        tokens = mx.concatenate([self.context, *drafts]) if drafts else self.context
-        for processor in self.processors:
-            logits = processor(tokens, logits)
-        return logits
-
-    def propose(self, n: int, key: mx.array | None) -> tuple[mx.array, mx.array | None]:
-        """The draft model's ``n`` tokens (``[n]`` uint32) and, when sampled, their ``[n, V_d]``
-        distributions; all lazy."""
-        keys = mx.random.split(key, n) if key is not None and n > 0 else None
-        pending = self.text(self.fed[1], len(self.emitted) + self.prompt.size)
-        drafts: list[mx.array] = []
-        rows: list[mx.array] = []
-        for i in range(n):
-            logits = self.process(self.feed(1, pending)[-1:], drafts)
-            if self.mode == "greedy":
-                token = mx.argmax(logits, axis=-1).astype(mx.uint32)
-            else:
-                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-                if self.mode == "sampled":
-                    q = self.sampler.probs(logprobs)
-                    token = mx.random.categorical(mx.log(q), key=keys[i]).astype(mx.uint32)
-                    rows.append(q)
-                else:
-                    token = self.sampler(logprobs).astype(mx.uint32)
-            # Start computing while the next step's graph is built (not a host read).
-            mx.async_eval(token)
-            drafts.append(token)
-            pending = token
-        draft = mx.concatenate(drafts) if drafts else mx.array([], dtype=mx.uint32)
-        return draft, (mx.concatenate(rows) if rows else None)
-
-    def verify(
-        self, draft: mx.array, q: mx.array | None, key: mx.array | None
-    ) -> tuple[mx.array, mx.array]:
-        """Scores ``[y, *draft]`` with the target: the lazy ``[3]`` acceptance result and the
-        ``[N + 1, V]`` log-probabilities of each position (after the logits processors)."""
-        n = draft.size
-        length = len(self.emitted) + self.prompt.size
-        logits = self.feed(0, mx.concatenate([self.text(self.fed[0], length), draft]))[-(n + 1) :]
-        if self.processors:
-            drafts = [draft[i : i + 1] for i in range(n)]
-            logits = mx.concatenate(
-                [self.process(logits[i : i + 1], drafts[:i]) for i in range(n + 1)]
-            )
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if self.mode == "greedy":
-            result = accept_greedy(logits, draft, self.eos_array, fused=self.fused)
-        elif self.mode == "sampled":
-            vocab = logits.shape[-1]
-            q = _fit_vocab(q, vocab) if q is not None else None
-            probs = self.sampler.probs(logprobs)
-            result = accept_sampled(probs, draft, q, self.eos_array, key, fused=self.fused)
-        else:
-            # mlx-lm's rule: a draft token is kept when the target's own sample equals it, which
-            # is greedy acceptance of the one-hot rows of those samples.
-            picks = self.sampler(logprobs).astype(mx.uint32)
-            one_hot = mx.arange(logits.shape[-1], dtype=mx.uint32)[None, :] == picks[:, None]
-            result = accept_greedy(
-                one_hot.astype(mx.float32), draft, self.eos_array, fused=self.fused
-            )
-        return result, logprobs
-
-    def round(self, n: int, remaining: int) -> tuple[list[int], int, mx.array]:
+    def round(self, remaining: int) -> tuple[list[int], int, mx.array]:
         """One draft-verify round, with one host read.
+
+        Args:
+            remaining (int): the most tokens this round may emit, ``>= 1``.
 
         Returns:
             tuple: the tokens to emit (at most ``remaining``; none after an EOS), how many of
             them came from the draft, and the ``[N + 1, V]`` log-probabilities (lazy).
         """
+        start = time.perf_counter()
+        length = len(self.text)
+        pending = length - self.target.cache.length
+        cap = min(remaining - 1, self.target.room() - pending)
+        n = self.lengths.choose(pending, max(cap, 0))
         draft_key = verify_key = None
-        if self.mode == "sampled":
+        if self.rule.random:
             self.key, draft_key, verify_key = mx.random.split(self.key, 3)
-        length = len(self.emitted) + self.prompt.size
-        draft, q = self.propose(n, draft_key)
-        result, logprobs = self.verify(draft, q, verify_key)
-        values = mx.concatenate([result, draft]).tolist()  # the round's one host read
+        draft = self.drafter.propose(self.text, n, draft_key)
+        # Nothing to verify: a free drafter is still asked, to measure its acceptance.
+        shadow = (
+            self.drafter.propose(self.text, 1, None)
+            if draft.size == 0 and self.lengths.adaptive and self.drafter.free
+            else None
+        )
+        logits = self.target.verify(self.text, draft.tokens)
+        result, logprobs = self.rule.decide(
+            logits, draft.tokens, draft.probs, self.eos_array, verify_key, fused=self.fused
+        )
+        parts = [result, draft.tokens] + ([shadow.tokens] if shadow is not None else [])
+        values = mx.concatenate(parts).tolist()  # the round's one host read
         accepted, token = values[0], values[1]
         if token >= INVALID_ROW:
             raise ValueError(
@@ -294,56 +266,163 @@ class _Speculation:
         if not (tokens and tokens[-1] in self.eos_set):
             tokens.append(token)
         tokens = tokens[:remaining]
+        kept = min(accepted, len(tokens))
+        self.text.extend(tokens)
+        self.target.keep(length + kept)
+        self.drafter.update(self.text, kept)
+        if shadow is not None and shadow.size:
+            self.lengths.shadow(int(values[3 + draft.size] == token), 1)
         self.stats.rounds += 1
-        self.stats.drafted += n
+        self.stats.drafted += draft.size
         self.stats.accepted += accepted
-        # Keep in each cache only the accepted part of what it saw.
-        new_length = length + len(tokens)
-        self.trim_to(0, min(length + accepted, new_length))
-        self.trim_to(1, min(length + accepted, new_length))
-        self.emitted.extend(tokens)
-        if self.processors:
-            self.context = mx.concatenate([self.context, mx.array(tokens, dtype=mx.uint32)])
-        return tokens, min(accepted, len(tokens)), logprobs
-
-    def settle(self, consumed: int, feed: bool) -> None:
-        """Leaves each cache holding the prompt and the ``consumed`` tokens; feeding what a cache
-        lacks only when ``feed``."""
-        length = self.prompt.size + consumed
-        for m in (0, 1):
-            self.trim_to(m, length)
-            if feed and self.fed[m] < length:
-                self.feed(m, self.text(self.fed[m], length))
-
-
-def _acceptance_mode(sampler: Any) -> str:
-    """``"greedy"``, ``"sampled"`` (rejection sampling) or ``"match"`` (mlx-lm's rule)."""
-    if sampler is None or sampler is _LM_GREEDY or getattr(sampler, "greedy", False):
-        return "greedy"
-    if callable(getattr(sampler, "probs", None)):
-        return "sampled"
-    return "match"
-
-
-def _split_cache(
-    prompt_cache: list[Any] | None, model: nn.Module, draft_model: nn.Module
-) -> tuple[list[Any], list[Any]]:
-    if prompt_cache is None:
-        return make_prompt_cache(model), make_prompt_cache(draft_model)
-    n = len(make_prompt_cache(model))
-    model_cache, draft_cache = list(prompt_cache[:n]), list(prompt_cache[n:])
-    if not draft_cache:
-        raise ValueError(
-            "speculative_generate_step: `prompt_cache` must hold the target's caches followed by "
-            f"the draft model's, got {len(prompt_cache)} caches for a target with {n}"
+        self.stats.replayed += pending - 1
+        self.lengths.record(
+            draft.size, accepted, pending + draft.size, draft.steps, time.perf_counter() - start
         )
-    return model_cache, draft_cache
+        return tokens, kept, logprobs
+
+    def finish(self, consumed: int, feed: bool) -> None:
+        """Leaves every cache holding the prompt and the ``consumed`` tokens; feeding what a
+        cache lacks only when ``feed``."""
+        length = self.text.prompt.size + consumed
+        held = self.target.cache.rewind(length)
+        if feed and held < length:
+            self.target.feed(self.text.tokens(held, length))
+        self.target.cache.forget()
+        self.drafter.finish(self.text, length, feed)
+
+
+def _opaque_warning() -> None:
+    warnings.warn(
+        "speculative_generate_step: the sampler does not expose its distribution (no `probs`), so "
+        "draft tokens are accepted only when the target's own sample equals them (mlx-lm's rule): "
+        "still lossless, but few drafts are kept at temperature > 0. Use "
+        "mlx_spec.sampling.make_sampler for rejection sampling.",
+        stacklevel=3,
+    )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_int(op: str, name: str, value: object, least: int, most: int | None = None) -> int:
+    if not _is_int(value) or value < least or (most is not None and value > most):
+        bound = f">= {least}" if most is None else f"in [{least}, {most}]"
+        raise ValueError(f"{op}: `{name}` must be an int {bound}, got {value!r}")
+    return int(value)
+
+
+def _check_callable(op: str, name: str, value: object) -> None:
+    if value is not None and not callable(value):
+        raise ValueError(f"{op}: `{name}` must be callable or None, got {value!r}")
+
+
+def _check_prompt(op: str, prompt: object, vocab: int | None) -> list[int]:
+    """Checks the ``[L]`` integer prompt and reads its ids (one host read)."""
+    if not isinstance(prompt, mx.array) or prompt.ndim != 1 or prompt.size == 0:
+        shown = describe(prompt) if isinstance(prompt, mx.array) else type(prompt).__name__
+        raise ValueError(f"{op}: `prompt` must be a non-empty [L] array of token ids, got {shown}")
+    if not mx.issubdtype(prompt.dtype, mx.integer):
+        raise ValueError(f"{op}: `prompt` must hold integer token ids, got dtype {prompt.dtype}")
+    ids = prompt.tolist()
+    low, high = min(ids), max(ids)
+    limit = vocab if vocab is not None else 2**32
+    if low < 0 or high >= limit:
+        bad = low if low < 0 else high
+        where = f"the target's vocabulary [0, {vocab})" if vocab is not None else "[0, 2**32)"
+        raise ValueError(f"{op}: `prompt` holds token id {bad}, outside {where}")
+    return ids
+
+
+def _check_eos(op: str, eos_token_ids: object) -> list[int]:
+    if eos_token_ids is None:
+        return []
+    if isinstance(eos_token_ids, (str, bytes)) or not isinstance(eos_token_ids, Iterable):
+        raise ValueError(
+            f"{op}: `eos_token_ids` must be an iterable of int token ids, got {eos_token_ids!r}"
+        )
+    ids = list(eos_token_ids)
+    for i in ids:
+        if not _is_int(i) or not 0 <= i < 2**32:
+            raise ValueError(f"{op}: `eos_token_ids` must hold int ids in [0, 2**32), got {i!r}")
+    return [int(i) for i in ids]
+
+
+def _check_processors(op: str, processors: object) -> list[LogitsProcessor]:
+    if processors is None:
+        return []
+    if callable(processors) or not isinstance(processors, Sequence):
+        raise ValueError(
+            f"{op}: `logits_processors` must be a list of callables, got {processors!r}"
+        )
+    for processor in processors:
+        if not callable(processor):
+            raise ValueError(
+                f"{op}: `logits_processors` must hold callables, got {processor!r} in it"
+            )
+    return list(processors)
+
+
+def _check_kv_bits(op: str, kv_bits: object, kv_group_size: object, start: object) -> None:
+    if kv_bits is not None and (not _is_int(kv_bits) or kv_bits not in (2, 3, 4, 5, 6, 8)):
+        raise ValueError(
+            f"{op}: `kv_bits` must be None or one of 2, 3, 4, 5, 6, 8, got {kv_bits!r}"
+        )
+    if not _is_int(kv_group_size) or kv_group_size not in (32, 64, 128):
+        raise ValueError(f"{op}: `kv_group_size` must be 32, 64 or 128, got {kv_group_size!r}")
+    _check_int(op, "quantized_kv_start", start, 0)
+
+
+def _drafter(
+    op: str, draft_model: object, drafter: object, prompt_cache: list[Any] | None, targets: int
+) -> Drafter:
+    """The generation's drafter, from ``draft_model`` or ``drafter``; checks the caches' split."""
+    if draft_model is not None and drafter is not None:
+        raise ValueError(
+            f"{op}: give a `draft_model` or a `drafter`, not both (got {type(draft_model).__name__}"
+            f" and {drafter!r})"
+        )
+    if draft_model is None and drafter is None:
+        raise ValueError(f"{op}: needs a `draft_model`, or a `drafter` such as 'prompt-lookup'")
+    if draft_model is not None:
+        if not isinstance(draft_model, nn.Module):
+            raise ValueError(
+                f"{op}: `draft_model` must be an mlx.nn.Module, got {type(draft_model).__name__}"
+            )
+        drafts = len(make_prompt_cache(draft_model))
+        if prompt_cache is None:
+            return ModelDrafter(draft_model)
+        if len(prompt_cache) != targets + drafts:
+            raise ValueError(
+                f"{op}: `prompt_cache` must hold the target's {targets} caches followed by the "
+                f"draft model's {drafts}, got {len(prompt_cache)} caches"
+            )
+        return ModelDrafter(draft_model, prompt_cache[targets:])
+    if prompt_cache is not None and len(prompt_cache) != targets:
+        raise ValueError(
+            f"{op}: `prompt_cache` must hold the target's {targets} caches (a drafter keeps its "
+            f"own), got {len(prompt_cache)} caches"
+        )
+    if drafter == "prompt-lookup":
+        return PromptLookupDrafter()
+    if isinstance(drafter, Drafter):
+        return drafter
+    raise ValueError(
+        f"{op}: `drafter` must be 'prompt-lookup' or an mlx_spec.drafters.Drafter, got {drafter!r}"
+    )
+
+
+def _check_prompt_cache(op: str, prompt_cache: object) -> list[Any] | None:
+    if prompt_cache is not None and not isinstance(prompt_cache, list):
+        raise ValueError(f"{op}: `prompt_cache` must be a list of caches, got {prompt_cache!r}")
+    return prompt_cache
 
 
 def speculative_generate_step(
     prompt: mx.array,
     model: nn.Module,
-    draft_model: nn.Module,
+    draft_model: nn.Module | None = None,
     stream: StreamLike = generation_stream,
     *,
     num_draft_tokens: int = 3,
@@ -359,116 +438,166 @@ def speculative_generate_step(
     key: mx.array | None = None,
     eos_token_ids: Iterable[int] | None = None,
     stats: SpeculativeStats | None = None,
+    drafter: str | Drafter | None = None,
+    adaptive: bool = False,
 ) -> Generator[tuple[int, mx.array, bool], None, None]:
     """Speculative decoding whose output has the target's distribution at any temperature.
 
     A drop-in for ``mlx_lm.generate.speculative_generate_step``: same arguments (``stream``
-    included, fourth and positional) and the same yields. The sampler decides the rule:
+    included, fourth and positional) and the same yields; ``drafter`` and ``adaptive`` add
+    drafting without a second model and a draft length that adapts. The sampler decides the
+    rule (:mod:`mlx_spec.rules`):
 
-    - ``None``, a greedy sampler (``sampler.greedy``) or mlx-lm's greedy sampler: the draft
-      takes its argmax and :func:`mlx_spec.accept_greedy` keeps what the target's argmax agrees
-      with; the output equals the target's greedy decoding.
+    - ``None``, a greedy sampler (``sampler.greedy``) or mlx-lm's greedy sampler: drafts are
+      kept while they equal the target's argmax; the output equals the target's greedy decoding.
     - a sampler with ``probs`` (see :func:`mlx_spec.sampling.make_sampler`): draft tokens are
-      drawn from ``sampler.probs`` of the draft's log-probabilities and kept by rejection
-      sampling (:func:`mlx_spec.accept_sampled`); every emitted token has exactly the
-      distribution of sampling the target with ``sampler``.
+      kept by rejection sampling (:func:`mlx_spec.accept_sampled`); every emitted token has
+      exactly the distribution of sampling the target with ``sampler``.
     - any other callable: mlx-lm's rule (a draft token is kept when the target's own sample
       equals it), with a warning; lossless but rarely accepting at temperature > 0.
 
-    Each round costs one blocking host read (the acceptance result and the draft tokens,
-    together). Tokens are yielded as soon as a round is read; ``max_tokens`` and the EOS ids end
-    the generation exactly, also within a round. When the generator finishes or is closed, both
-    caches hold exactly the prompt and the tokens yielded (the last one included).
+    Each round costs one target call and one blocking host read (the acceptance result and the
+    draft tokens, together). Tokens are yielded as soon as a round is read; ``max_tokens`` and
+    the EOS ids end the generation exactly, also within a round. Every cache class that mlx-lm's
+    models build is supported: appending KV caches are trimmed, rotating (sliding-window) ones
+    trimmed exactly, and recurrent ones (``ArraysCache``, in hybrid models) restored from a
+    checkpoint, the kept tokens then being fed again within the next round's target call. When
+    the generator finishes, is closed or raises, the caches hold exactly the prompt and the
+    tokens yielded (the last one included).
 
     Args:
-        prompt (array): ``[L]`` integer prompt tokens, ``L >= 1``.
+        prompt (array): ``[L]`` integer prompt tokens, ``L >= 1``, each inside the target's
+            vocabulary.
         model (nn.Module): the target model.
-        draft_model (nn.Module): the draft model; same tokenizer as the target (its vocabulary
-            may be padded differently).
+        draft_model (nn.Module, optional): the draft model; same tokenizer as the target (its
+            vocabulary may be padded differently). Give it or ``drafter``.
         stream (Stream, optional): where the models run. Default: mlx-lm's generation stream.
-        num_draft_tokens (int): draft tokens per round, ``>= 0``. Default: ``3``.
+        num_draft_tokens (int): the most draft tokens a round, in ``[0, MAX_DRAFT_TOKENS]``;
+            never more than the tokens left to generate need. Default: ``3``.
         max_tokens (int): tokens to generate; ``-1`` for no limit. Default: ``256``.
         sampler (callable, optional): maps ``[..., V]`` log-probabilities to tokens. Default:
             greedy.
         logits_processors (list, optional): ``processor(tokens, logits) -> logits`` applied in
             order to ``[1, V]`` logits at every position, draft and target, ``tokens`` being the
             ``[L']`` prompt and tokens before that position (as mlx-lm applies them).
-        prompt_cache (list, optional): the target's caches followed by the draft model's (as
-            mlx-lm's server builds it), updated in place; every cache must be trimmable.
-            Default: new caches.
-        prefill_step_size (int): prompt tokens per prefill call. Default: ``512``.
-        kv_bits (int, optional): quantize the caches to this many bits. Default: ``None``.
-        kv_group_size (int): group size of cache quantization. Default: ``64``.
+        prompt_cache (list, optional): the target's caches, followed by the draft model's when
+            there is one (as mlx-lm's server builds it), updated in place. Default: new caches.
+        prefill_step_size (int): prompt tokens per prefill call, ``>= 1``. Default: ``512``.
+        kv_bits (int, optional): quantize the caches to this many bits (2, 3, 4, 5, 6 or 8).
+            Default: ``None``.
+        kv_group_size (int): group size of cache quantization: 32, 64 or 128. Default: ``64``.
         quantized_kv_start (int): cache length from which to quantize. Default: mlx-lm's.
         prompt_progress_callback (callable, optional): called with ``(processed, total)`` prompt
             tokens before and after the prefill.
         key (array, optional): ``[2]`` uint32 key from ``mx.random.key``; the same key, models,
-            prompt and arguments give the same tokens, and a longer ``max_tokens`` extends them.
-            Default: a key drawn from ``mx.random``'s global state (so ``mx.random.seed``
-            applies). Unused by greedy and by mlx-lm's rule (which draw as mlx-lm does).
+            prompt and arguments give the same tokens, and a longer ``max_tokens`` extends them
+            (with ``adaptive=False``). Default: a key drawn from ``mx.random``'s global state
+            (so ``mx.random.seed`` applies). Unused by greedy and by mlx-lm's rule (which draw
+            as mlx-lm does).
         eos_token_ids (iterable of int, optional): end-of-sequence ids: generation ends after
             the first one emitted and acceptance never looks past it. Default: none (mlx-lm's
             ``stream_generate`` stops at them itself).
         stats (SpeculativeStats, optional): filled in as the generation runs.
+        drafter (str or Drafter, optional): ``"prompt-lookup"`` (a
+            :class:`mlx_spec.drafters.PromptLookupDrafter` with its defaults) or a
+            :class:`mlx_spec.drafters.Drafter`, instead of ``draft_model``. Default: ``None``.
+        adaptive (bool): choose each round's number of draft tokens, up to
+            ``num_draft_tokens``, from the recent acceptance and the measured cost of a round
+            (:mod:`mlx_spec.draft_length`); ``False`` always drafts ``num_draft_tokens`` (fewer
+            when a drafter has fewer). Default: ``False``, as mlx-lm.
 
     Yields:
         tuple[int, array, bool]: a token, the target's ``[V]`` log-probabilities at its
         position (lazy: computed only if read) and whether the token came from the draft.
 
     Raises:
-        ValueError: before any work, for a bad argument or a cache that cannot be trimmed;
+        ValueError: before any work, for a bad argument, a prompt id outside the target's
+            vocabulary or a cache class that cannot be taken back (the message names it);
             during generation, when a NaN (or a distribution without mass) decided a round.
     """
     op = "speculative_generate_step"
-    if not isinstance(prompt, mx.array) or prompt.ndim != 1 or prompt.size == 0:
-        shown = describe(prompt) if isinstance(prompt, mx.array) else type(prompt).__name__
-        raise ValueError(f"{op}: `prompt` must be a non-empty [L] array of token ids, got {shown}")
-    if prompt.dtype not in (mx.uint32, mx.int32, mx.int64, mx.uint64, mx.int16, mx.uint16):
-        raise ValueError(f"{op}: `prompt` must hold integer token ids, got {describe(prompt)}")
-    if not isinstance(num_draft_tokens, int) or num_draft_tokens < 0:
-        raise ValueError(f"{op}: `num_draft_tokens` must be an int >= 0, got {num_draft_tokens!r}")
-    if not isinstance(max_tokens, int) or max_tokens < -1:
-        raise ValueError(f"{op}: `max_tokens` must be an int >= -1, got {max_tokens!r}")
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{op}: `model` must be an mlx.nn.Module, got {type(model).__name__}")
+    if not isinstance(stream, (mx.Stream, mx.Device)) and type(stream) is not type(
+        generation_stream
+    ):
+        raise ValueError(f"{op}: `stream` must be an mx.Stream or mx.Device, got {stream!r}")
+    _check_int(op, "num_draft_tokens", num_draft_tokens, 0, MAX_DRAFT_TOKENS)
+    _check_int(op, "max_tokens", max_tokens, -1)
+    _check_callable(op, "sampler", sampler)
+    processors = _check_processors(op, logits_processors)
+    _check_int(op, "prefill_step_size", prefill_step_size, 1)
+    _check_kv_bits(op, kv_bits, kv_group_size, quantized_kv_start)
+    _check_callable(op, "prompt_progress_callback", prompt_progress_callback)
+    eos = _check_eos(op, eos_token_ids)
+    if stats is not None and not isinstance(stats, SpeculativeStats):
+        raise ValueError(f"{op}: `stats` must be a SpeculativeStats or None, got {stats!r}")
+    if not isinstance(adaptive, bool):
+        raise ValueError(f"{op}: `adaptive` must be a bool, got {adaptive!r}")
     if key is not None:
         key = check_key(op, key)
-    caches = _split_cache(prompt_cache, model, draft_model)
-    for name, cache in zip(("target", "draft model"), caches, strict=True):
-        if not can_trim_prompt_cache(cache):
-            kinds = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
-            raise ValueError(
-                f"{op}: speculative decoding trims the {name}'s cache after each round, but "
-                f"these caches cannot be trimmed: {', '.join(kinds)}"
-            )
-    mode = _acceptance_mode(sampler)
-    if mode == "match":
+    prompt_cache = _check_prompt_cache(op, prompt_cache)
+    targets = len(make_prompt_cache(model))
+    chosen = _drafter(op, draft_model, drafter, prompt_cache, targets)
+    target_cache = make_prompt_cache(model) if prompt_cache is None else prompt_cache[:targets]
+    check_caches(op, "the target's", target_cache)
+    if isinstance(chosen, ModelDrafter):
+        check_caches(op, "the draft model's", chosen.cache.layers)
+        caches = target_cache + chosen.cache.layers
+    else:
+        caches = target_cache
+    if kv_bits is not None and any(isinstance(c, RotatingKVCache) for c in caches):
+        raise ValueError(
+            f"{op}: `kv_bits` cannot quantize a RotatingKVCache (mlx-lm has no quantized "
+            "rotating cache); use kv_bits=None with sliding-window models or max_kv_size"
+        )
+    vocab = _vocab_size(model)
+    ids = _check_prompt(op, prompt, vocab)
+
+    rule = make_rule(sampler)
+    if rule.kind == "match":
         _opaque_warning()
-    if mode == "sampled" and key is None:
-        key = mx.random.randint(0, 2**31 - 1, shape=(2,), dtype=mx.uint32)
-    spec = _Speculation(
-        prompt.astype(mx.uint32),
-        (model, draft_model),
-        caches,
-        sampler,
-        mode,
-        logits_processors or [],
-        [int(t) for t in eos_token_ids] if eos_token_ids is not None else [],
+    seed = None
+    if rule.random:
+        if key is None:
+            key = mx.random.randint(0, 2**31 - 1, shape=(2,), dtype=mx.uint32)
+        key, drafter_key = mx.random.split(key)
+        high, low = drafter_key.tolist()
+        seed = high << 32 | low
+    quantize = partial(
+        _lm_generate.maybe_quantize_kv_cache,
+        quantized_kv_start=quantized_kv_start,
+        kv_group_size=kv_group_size,
+        kv_bits=kv_bits,
+    )
+    text = Text(prompt.astype(mx.uint32), ids)
+    target = _Target(
+        model,
+        ModelCache(target_cache),
+        processors,
+        quantize,
+        quantized_kv_start if kv_bits is not None else None,
+        vocab,
+    )
+    setup = DraftSetup(rule, processors, quantize, prefill_step_size, seed)
+    generation = _Generation(
+        text,
+        target,
+        chosen,
+        rule,
+        DraftLength(num_draft_tokens, adaptive, chosen.free),
+        eos,
         key,
-        partial(
-            maybe_quantize_kv_cache,
-            quantized_kv_start=quantized_kv_start,
-            kv_group_size=kv_group_size,
-            kv_bits=kv_bits,
-        ),
         stats if stats is not None else SpeculativeStats(),
     )
     progress = prompt_progress_callback or (lambda *_: None)
-    return _run(spec, stream, num_draft_tokens, max_tokens, prefill_step_size, progress)
+    return _run(generation, setup, stream, max_tokens, prefill_step_size, progress)
 
 
 def _run(
-    spec: _Speculation,
+    generation: _Generation,
+    setup: DraftSetup,
     stream: StreamLike,
-    num_draft_tokens: int,
     max_tokens: int,
     prefill_step_size: int,
     progress: Callable[[int, int], None],
@@ -476,27 +605,30 @@ def _run(
     if max_tokens == 0:
         return
     consumed = 0
-    finished = False
+    total = generation.text.prompt.size
     try:
         with mx.stream(stream):
-            spec.prefill(prefill_step_size, progress)
+            progress(0, total)
+            generation.drafter.start(generation.text, setup)
+            generation.target.prefill(generation.text, prefill_step_size)
+            progress(total, total)
+        limit = max_tokens if max_tokens >= 0 else math.inf
         while True:
-            remaining = max_tokens - consumed if max_tokens >= 0 else sys.maxsize
             with mx.stream(stream):
-                tokens, from_draft, logprobs = spec.round(num_draft_tokens, remaining)
+                tokens, from_draft, logprobs = generation.round(min(limit - consumed, 2**31))
             for i, token in enumerate(tokens):
                 consumed += 1
-                spec.stats.generated += 1
+                generation.stats.generated += 1
                 yield token, logprobs[i], i < from_draft
-            if consumed == max_tokens or (tokens and tokens[-1] in spec.eos_set):
-                finished = True
+            if consumed == max_tokens or (tokens and tokens[-1] in generation.eos_set):
                 return
-    except GeneratorExit:
-        finished = True
-        raise
     finally:
+        # Also after an error or a close: the caches then hold the prompt and what was yielded.
         with mx.stream(stream):
-            spec.settle(consumed, feed=finished)
+            try:
+                generation.finish(consumed, feed=True)
+            except Exception:
+                generation.finish(consumed, feed=False)
 
 
 def stream_generate(
@@ -510,11 +642,11 @@ def stream_generate(
 ) -> Generator[GenerationResponse, None, None]:
     """mlx-lm's ``stream_generate``, speculative through :func:`speculative_generate_step`.
 
-    Without ``draft_model`` this is mlx-lm's own ``stream_generate``. With one, it yields what
-    mlx-lm's yields (text segments, tokens, lazy log-probabilities, ``from_draft``, timings,
-    ``finish_reason``) as :class:`SpeculativeResponse`, whose ``stats`` are the round counts so
-    far; the last response's cover the whole generation. Every EOS id of ``tokenizer`` ends the
-    generation, and acceptance never looks past one.
+    Without ``draft_model`` or ``drafter`` this is mlx-lm's own ``stream_generate``. With one,
+    it yields what mlx-lm's yields (text segments, tokens, lazy log-probabilities,
+    ``from_draft``, timings, ``finish_reason``) as :class:`SpeculativeResponse`, whose ``stats``
+    are the round counts so far; the last response's cover the whole generation. Every EOS id
+    of ``tokenizer`` ends the generation, and acceptance never looks past one.
 
     Args:
         model (nn.Module): the target model.
@@ -522,34 +654,39 @@ def stream_generate(
             it is not one.
         prompt (str, array or list of int): text, or ``[L]`` token ids.
         max_tokens (int): tokens to generate, ``-1`` for no limit; not 0. Default: ``256``.
-        draft_model (nn.Module, optional): the draft model. Default: none (plain generation).
+        draft_model (nn.Module, optional): the draft model. Default: none.
         stream (Stream, optional): where the models run. Default: mlx-lm's generation stream.
-        kwargs: passed to :func:`speculative_generate_step` (``sampler``, ``num_draft_tokens``,
-            ``key``, ``stats``, ...); ``max_kv_size`` is ignored, as by mlx-lm's speculative
-            path.
+        kwargs: passed to :func:`speculative_generate_step` (``drafter``, ``sampler``,
+            ``num_draft_tokens``, ``adaptive``, ``key``, ``stats``, ...); ``max_kv_size``, when
+            no ``prompt_cache`` is given, makes rotating caches of that size as mlx-lm does.
 
     Yields:
         GenerationResponse: one per token; ``finish_reason`` is ``"stop"`` or ``"length"`` on
         the last one.
 
     Raises:
-        ValueError: ``max_tokens`` is 0, ``input_embeddings`` are given with a draft model, or
+        ValueError: ``max_tokens`` is 0, ``input_embeddings`` are given with speculation, or
             :func:`speculative_generate_step` rejects an argument.
     """
-    if draft_model is None:
+    if draft_model is None and kwargs.get("drafter") is None:
         if kwargs.pop("key", None) is not None:
             raise ValueError(
-                "stream_generate: `key` needs a draft model (plain generation draws from "
-                "mx.random's global state)"
+                "stream_generate: `key` needs a draft model or a drafter (plain generation "
+                "draws from mx.random's global state)"
             )
-        kwargs.pop("stats", None)
+        for name in ("stats", "drafter", "adaptive"):
+            kwargs.pop(name, None)
         yield from _LM_STREAM_GENERATE(model, tokenizer, prompt, max_tokens, None, stream, **kwargs)
         return
     if max_tokens == 0:
         raise ValueError("stream_generate: `max_tokens` must not be 0 (use -1 for no limit)")
     if kwargs.pop("input_embeddings", None) is not None:
         raise ValueError("stream_generate: speculative decoding does not take `input_embeddings`")
-    kwargs.pop("max_kv_size", None)
+    max_kv_size = kwargs.pop("max_kv_size", None)
+    if max_kv_size is not None and kwargs.get("prompt_cache") is None:
+        _check_int("stream_generate", "max_kv_size", max_kv_size, 1)
+        models = [model] if draft_model is None else [model, draft_model]
+        kwargs["prompt_cache"] = [c for m in models for c in make_prompt_cache(m, max_kv_size)]
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     if isinstance(prompt, str):
@@ -602,7 +739,7 @@ def stream_generate(
                     break
                 yield response(token, logprobs, from_draft, n + 1, None)
         finally:
-            # Closing settles both caches on the prompt and the tokens yielded.
+            # Closing settles the caches on the prompt and the tokens yielded.
             tokens.close()
         detokenizer.finalize()
         finish = "stop" if token in eos else "length"
@@ -616,7 +753,7 @@ def generate(
     verbose: bool = False,
     **kwargs: Any,
 ) -> str:
-    """mlx-lm's ``generate``, speculative when given ``draft_model``.
+    """mlx-lm's ``generate``, speculative when given ``draft_model`` or ``drafter``.
 
     Args:
         model (nn.Module): the target model.
@@ -657,95 +794,3 @@ def generate(
             )
         print(f"Peak memory: {response.peak_memory:.3f} GB")
     return text
-
-
-@dataclass(frozen=True)
-class _MlxLmSampler:
-    """mlx-lm's sampler, unchanged when called, with the distribution it draws from.
-
-    Attributes:
-        sample (callable): the sampler ``mlx_lm.sample_utils.make_sampler`` made.
-        distribution (SpecSampler): mlx-spec's sampler with the same arguments.
-    """
-
-    sample: Sampler
-    distribution: Any
-
-    greedy = False
-
-    def __call__(self, logprobs: mx.array) -> mx.array:
-        return self.sample(logprobs)
-
-    def probs(self, logprobs: mx.array) -> mx.array:
-        return self.distribution.probs(logprobs)
-
-
-def _make_mlx_lm_sampler(
-    temp: float = 0.0,
-    top_p: float = 0.0,
-    min_p: float = 0.0,
-    min_tokens_to_keep: int = 1,
-    top_k: int = 0,
-    xtc_probability: float = 0.0,
-    xtc_threshold: float = 0.1,
-    xtc_special_tokens: list[int] | None = None,
-) -> Sampler:
-    """``mlx_lm.sample_utils.make_sampler`` while patched: its sampler, plus ``probs``."""
-    sample = _LM_MAKE_SAMPLER(
-        temp,
-        top_p,
-        min_p,
-        min_tokens_to_keep,
-        top_k,
-        xtc_probability,
-        xtc_threshold,
-        xtc_special_tokens,
-    )
-    if temp == 0 or xtc_probability > 0.0:
-        # Greedy is recognised as such; XTC has no distribution here (mlx-lm's rule applies).
-        return sample
-    try:
-        distribution = make_sampler(temp, top_p, min_p, min_tokens_to_keep, top_k)
-    except ValueError:
-        return sample
-    return _MlxLmSampler(sample, distribution)
-
-
-_SAMPLER_MODULES = ("mlx_lm.sample_utils", "mlx_lm.generate", "mlx_lm.server")
-
-
-def patch_mlx_lm() -> None:
-    """Routes mlx-lm's speculative decoding through mlx-spec; idempotent.
-
-    Replaces, in the loaded mlx-lm:
-
-    - ``mlx_lm.generate.speculative_generate_step`` by :func:`speculative_generate_step`. mlx-lm's
-      ``stream_generate`` (also ``mlx_lm.stream_generate``) looks it up when it gets a
-      ``draft_model``, and ``generate``, the ``mlx_lm.generate`` command and the server
-      (``mlx_lm.server``) all go through that ``stream_generate``.
-    - ``make_sampler`` in ``mlx_lm.sample_utils``, ``mlx_lm.generate`` and, when imported,
-      ``mlx_lm.server`` by a wrapper returning mlx-lm's own sampler (called exactly as before,
-      so generation without a draft model is unchanged) that also carries ``probs``, its
-      distribution from :func:`mlx_spec.sampling.make_sampler`. The command and the server
-      build their samplers with it, so their drafts are kept by rejection sampling. Greedy and
-      XTC samplers are returned as they are (XTC keeps mlx-lm's rule, with a warning).
-
-    Undo with :func:`unpatch_mlx_lm`.
-    """
-    _lm_generate.speculative_generate_step = speculative_generate_step
-    for name in _SAMPLER_MODULES:
-        module = sys.modules.get(name)
-        if module is not None and getattr(module, "make_sampler", None) is _LM_MAKE_SAMPLER:
-            module.make_sampler = _make_mlx_lm_sampler
-
-
-def unpatch_mlx_lm() -> None:
-    """Restores what :func:`patch_mlx_lm` replaced, also in mlx-lm modules imported meanwhile
-    (which took the patched ``make_sampler``); idempotent."""
-    _lm_generate.speculative_generate_step = _LM_SPECULATIVE_STEP
-    for name, module in list(sys.modules.items()):
-        if (
-            name.startswith("mlx_lm")
-            and getattr(module, "make_sampler", None) is _make_mlx_lm_sampler
-        ):
-            module.make_sampler = _LM_MAKE_SAMPLER

@@ -15,27 +15,28 @@ import sys
 import warnings
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from kernel_reference import reference_launch
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 from scipy import stats as scipy_stats
 
 import mlx_spec.generation as spec_generation
 from mlx_spec import fused
 from mlx_spec.acceptance import accept_sampled, read
+from mlx_spec import rules
 from mlx_spec.generation import (
     SpeculativeResponse,
     SpeculativeStats,
-    patch_mlx_lm,
     speculative_generate_step,
     stream_generate,
-    unpatch_mlx_lm,
 )
+from mlx_spec.patch import patch_mlx_lm, unpatch_mlx_lm
 from mlx_spec.sampling import make_sampler
 
 lm_generate = importlib.import_module("mlx_lm.generate")
@@ -151,13 +152,15 @@ def test_reference_text_is_varied(greedy_reference: list[int]) -> None:
 @pytest.mark.parametrize("n", [1, 3, 8])
 @pytest.mark.parametrize("kind", ["self", "truncated", "unrelated"])
 def test_greedy_equals_plain_generate_step(target, drafts, greedy_reference, kind, n) -> None:
-    # 203 tokens: with the target as its own draft and N = 8 (9 tokens a round), the last
-    # round is cut by max_tokens after 5 of its tokens.
+    # 203 tokens: with the target as its own draft and N = 8 (9 tokens a round), 5 tokens are
+    # left for the last round, which drafts only the 4 that can be used. A round drafts N tokens
+    # unless fewer than N + 1 are left, which happens in at most the last N rounds.
     tokens, flags, stats = run(PROMPT, target, drafts[kind], num_draft_tokens=n, max_tokens=203)
     assert tokens == greedy_reference[:203]
-    assert stats.generated == 203 and stats.drafted == n * stats.rounds
-    # One target token a round, except in a last round cut before it.
-    assert stats.rounds - 1 <= flags.count(False) <= stats.rounds
+    assert stats.generated == 203
+    assert n * (stats.rounds - n) <= stats.drafted <= n * stats.rounds
+    # One target token a round: no round drafts past what is left to generate.
+    assert flags.count(False) == stats.rounds
     assert sum(flags) <= stats.accepted
     if kind == "self":
         assert stats.accepted == stats.drafted
@@ -308,18 +311,25 @@ def test_one_host_read_per_round(monkeypatch, target, drafts, temp) -> None:
     assert reads.count == stats.rounds
 
 
-def test_untrimmable_cache_raises_before_any_work(target, drafts) -> None:
+def test_unsupported_cache_raises_before_any_work(target, drafts) -> None:
+    # A batch cache cannot be taken back for one sequence: refused by name, before any call.
     called = []
 
-    class Spy:
-        layers = target.layers
+    class Spy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = target
+
+        @property
+        def layers(self):
+            return target.layers
 
         def __call__(self, *args, **kwargs):
             called.append(1)
             return target(*args, **kwargs)
 
-    cache = make_prompt_cache(target) + [ArraysCache(2) for _ in drafts["truncated"].layers]
-    with pytest.raises(ValueError, match=r"speculative_generate_step.*ArraysCache"):
+    cache = make_prompt_cache(target) + [BatchKVCache([0]) for _ in drafts["truncated"].layers]
+    with pytest.raises(ValueError, match=r"speculative_generate_step: the draft model's.*BatchKVC"):
         speculative_generate_step(mx.array(PROMPT), Spy(), drafts["truncated"], prompt_cache=cache)
     assert not called
 
@@ -524,7 +534,7 @@ def test_negative_control_resampling_from_the_target_fails(small_pair, monkeypat
         token = mx.random.categorical(mx.log(row), key=mx.random.split(key)[1])
         return mx.stack([result[0], token.astype(mx.uint32), result[2]])
 
-    monkeypatch.setattr(spec_generation, "accept_sampled", without_residual)
+    monkeypatch.setattr(rules, "accept_sampled", without_residual)
     counts = sampled_pairs(model, draft, make_sampler(temp=1.0), samples=1000)
     assert chi_square_p(counts, expected) < THRESHOLD
 
@@ -700,9 +710,9 @@ def test_patch_routes_mlx_lm_stream_generate_through_mlx_spec(patched, target) -
     )
     # The target drafting for itself: rejection sampling keeps every draft token, so every round
     # yields 5 tokens, 4 of them from the draft (mlx-lm's rule keeps a draft token with
-    # probability sum(p^2) only).
+    # probability sum(p^2) only); the 41st token, alone in its round, is the target's.
     flags = [r.from_draft for r in responses]
-    assert flags == ([True] * 4 + [False]) * 8 + [True]
+    assert flags == ([True] * 4 + [False]) * 8 + [False]
     mx.random.seed(4)
     ours, _, _ = run(PROMPT, target, target, sampler=sampler, max_tokens=41, num_draft_tokens=4)
     assert [r.token for r in responses] == ours
@@ -728,6 +738,12 @@ def test_patch_keeps_plain_sampling_unchanged(target) -> None:
     assert during == before
 
 
+def mlx_lm_package():
+    import mlx_lm
+
+    return mlx_lm
+
+
 def test_patch_and_unpatch_are_idempotent_and_exact() -> None:
     server = pytest.importorskip("mlx_lm.server")
     originals = (
@@ -743,7 +759,9 @@ def test_patch_and_unpatch_are_idempotent_and_exact() -> None:
     for module in (lm_sample_utils, lm_generate, server):
         assert module.make_sampler is not originals[1]
         assert callable(module.make_sampler(temp=0.5).probs)
-    assert lm_generate.stream_generate is originals[4]
+    # stream_generate is replaced too, so that mlx-lm's own `max_kv_size` reaches the loop.
+    assert lm_generate.stream_generate is not originals[4]
+    assert mlx_lm_package().stream_generate is lm_generate.stream_generate
     unpatch_mlx_lm()
     unpatch_mlx_lm()
     assert (
@@ -772,19 +790,20 @@ def test_patched_mlx_lm_command_accepts_by_rejection_sampling(
         return (target, tokenizer, {}) if kwargs.get("return_config") else (target, tokenizer)
 
     rounds = []
-    original_round = spec_generation._Speculation.round
+    original_round = spec_generation._Generation.round
 
-    def counted_round(self, n, remaining):
-        out = original_round(self, n, remaining)
-        rounds.append((self.mode, n, out[1]))
+    def counted_round(self, remaining):
+        out = original_round(self, remaining)
+        rounds.append((self.rule.kind, self.lengths.most, out[1]))
         return out
 
     monkeypatch.setattr(lm_generate, "load", load)
-    monkeypatch.setattr(spec_generation._Speculation, "round", counted_round)
+    monkeypatch.setattr(spec_generation._Generation, "round", counted_round)
     argv = "mlx_lm.generate --model m --draft-model d --num-draft-tokens 4 --temp 1.0"
     argv += " --max-tokens 21 --seed 0 --ignore-chat-template --prompt hello"
     monkeypatch.setattr(sys, "argv", argv.split())
     lm_generate.main()
     assert capsys.readouterr().out
     assert rounds and {mode for mode, _, _ in rounds} == {"sampled"}
-    assert all(from_draft == min(n, 21 - 5 * i) for i, (_, n, from_draft) in enumerate(rounds))
+    # Every draft token kept, and no round drafts more than the tokens left after its own.
+    assert all(from_draft == min(n, 20 - 5 * i) for i, (_, n, from_draft) in enumerate(rounds))

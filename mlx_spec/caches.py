@@ -1,0 +1,315 @@
+"""Taking a model's caches back to an earlier length: trimmed where that is exact, else restored.
+
+Speculation feeds a model tokens that may be rejected, so after each round the caches must drop
+them. mlx-lm's ``trim`` is exact for the attention caches that append (``KVCache``,
+``QuantizedKVCache``, ``ConcatenateKVCache``, ``ChunkedKVCache``). It is not for the others:
+
+- a ``RotatingKVCache`` whose window has wrapped has overwritten old entries, and mlx-lm's trim
+  leaves the rejected entries in its buffer; here it is trimmed by putting the buffer in temporal
+  order and cutting it, which is exact while the buffer still holds a full window before the cut
+  (always so after a call of several tokens, as a verification is);
+- a recurrent state (``ArraysCache``, and deepseek-v4's ``LayerCache``) keeps no history at all.
+
+Those are restored from a checkpoint taken before the call (:meth:`ModelCache.checkpoint`). MLX
+arrays are immutable values, so a checkpoint holds references, not copies; an array that a cache
+overwrites in place (``a[i] = x`` rebinds the array object) is held through a new object of the
+same value, so the write does not reach the checkpoint. A model whose caches were restored lacks
+the tokens fed since the checkpoint: the caller feeds them again with its next call.
+
+:func:`check_caches` refuses, before any work, a cache this module cannot take back exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    ChunkedKVCache,
+    ConcatenateKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
+
+__all__ = ["ModelCache", "check_caches", "decode_masks"]
+
+# Appending attention caches: mlx-lm's trim drops the newest entries exactly.
+_APPENDING = (KVCache, QuantizedKVCache, ConcatenateKVCache, ChunkedKVCache)
+# Caches whose every update rebinds attributes, list items or arrays: a checkpoint restores them.
+# Matched by name too, for the classes a model module defines for itself.
+_RECURRENT = (ArraysCache,)
+_RECURRENT_NAMES = frozenset({"LayerCache"})
+
+
+def _kind(layer: Any) -> str | None:
+    """``"append"``, ``"rotating"``, ``"recurrent"``, ``"list"`` or ``None`` (not supported)."""
+    if isinstance(layer, _APPENDING):
+        return "append"
+    if isinstance(layer, RotatingKVCache):
+        return "rotating"
+    if isinstance(layer, _RECURRENT) or type(layer).__name__ in _RECURRENT_NAMES:
+        return "recurrent"
+    if isinstance(layer, CacheList):
+        return "list"
+    return None
+
+
+def _unsupported(layers: list[Any]) -> set[str]:
+    names = set()
+    for layer in layers:
+        kind = _kind(layer)
+        if kind is None:
+            names.add(type(layer).__name__)
+        elif kind == "list":
+            names |= _unsupported(list(layer.caches))
+    return names
+
+
+def _replays(layers: list[Any]) -> bool:
+    """Whether some layer keeps a recurrent state (so a rejected draft is replayed)."""
+    return any(
+        _kind(layer) == "recurrent" or (_kind(layer) == "list" and _replays(list(layer.caches)))
+        for layer in layers
+    )
+
+
+def check_caches(op: str, name: str, layers: Any) -> None:
+    """Raises ``ValueError`` unless ``layers`` is a list of caches this module can take back.
+
+    Args:
+        op (str): the public function, for the message.
+        name (str): which model's caches, for the message (``"the target's"``).
+        layers (list): one cache per layer, as ``mlx_lm.models.cache.make_prompt_cache`` builds.
+    """
+    if not isinstance(layers, list) or not layers:
+        raise ValueError(f"{op}: {name} caches must be a non-empty list, got {layers!r}")
+    unsupported = _unsupported(layers)
+    if unsupported:
+        raise ValueError(
+            f"{op}: {name} caches include {', '.join(sorted(unsupported))}, which speculative "
+            "decoding cannot take back after a rejected draft (supported: KVCache, "
+            "QuantizedKVCache, ConcatenateKVCache, ChunkedKVCache, RotatingKVCache, ArraysCache, "
+            "CacheList of those)"
+        )
+
+
+def _held(layer: RotatingKVCache) -> int:
+    """The entries of a rotating buffer that hold tokens."""
+    if layer.keys is None:
+        return 0
+    size = layer.keys.shape[2]
+    return size if layer._idx == size or layer._idx < layer.offset else layer._idx
+
+
+def _trimmable(layer: Any, n: int) -> bool:
+    """Whether trimming the newest ``n`` tokens of ``layer`` is exact.
+
+    A rotating buffer in temporal order holds the ``keep`` first tokens and the newest others;
+    without its newest ``n`` it is exact when nothing was evicted yet, or when it still holds a
+    full window (``max_size`` entries, the most a later call of one token reads; with fewer, that
+    call would grow the buffer as if it had never wrapped).
+    """
+    kind = _kind(layer)
+    if kind == "append" or n == 0:
+        return True
+    if kind == "rotating":
+        held = _held(layer)
+        return layer.offset <= held or held - n >= layer.max_size
+    if kind == "list":
+        return all(_trimmable(member, n) for member in layer.caches)
+    return False
+
+
+def _trim(layer: Any, n: int) -> None:
+    """Drops the newest ``n`` tokens of ``layer``, where :func:`_trimmable` says it is exact."""
+    kind = _kind(layer)
+    if kind == "append":
+        layer.trim(n)
+    elif kind == "rotating" and n:
+        held = _held(layer)
+        layer.keys = layer._temporal_order(layer.keys)[..., : held - n, :]
+        layer.values = layer._temporal_order(layer.values)[..., : held - n, :]
+        layer.offset -= n
+        layer._idx = held - n
+    elif kind == "list":
+        for member in layer.caches:
+            _trim(member, n)
+
+
+def _decode_mask(
+    layer: RotatingKVCache, n: int, window_size: int | None = None, return_array: bool = False
+) -> Any:
+    """The mask of ``n`` new tokens that a rotating cache with ``keep > 0`` gives each of them the
+    context of a one-token step: the ``keep`` first tokens and the newest others.
+
+    mlx-lm's mask for several tokens is a plain sliding window over the buffer, which hides the
+    kept tokens from the later queries and shows them older ones instead; one token at a time
+    (how plain decoding runs) sees the kept ones. Falls back to mlx-lm's mask where the two agree
+    or where a window narrower than the buffer applies.
+    """
+    if n == 1 or (window_size is not None and window_size != layer.max_size):
+        return RotatingKVCache.make_mask(layer, n, window_size, return_array)
+    held = _held(layer)
+    # The buffer after this call (mlx-lm's _update_concat): the kept tokens, the newest old ones,
+    # then the new ones; by absolute position.
+    old = held - max(held - layer.max_size + 1, 0)
+    keep = min(layer.keep, old)
+    positions = mx.concatenate(
+        [
+            mx.arange(keep),
+            mx.arange(layer.offset - (old - keep), layer.offset),
+            mx.arange(layer.offset, layer.offset + n),
+        ]
+    )
+    queries = mx.arange(layer.offset, layer.offset + n)[:, None]
+    recent = positions[None, :] > queries - (layer.max_size - layer.keep)
+    kept = positions[None, :] < layer.keep
+    return mx.logical_and(mx.logical_or(recent, kept), positions[None, :] <= queries)
+
+
+@contextmanager
+def decode_masks(layers: list[Any]) -> Iterator[None]:
+    """Within it, calls of several tokens see in every rotating cache with ``keep > 0`` the
+    context that one-token steps would (see :func:`_decode_mask`)."""
+    rotating = [layer for layer in layers if _kind(layer) == "rotating" and layer.keep > 0]
+    for layer in rotating:
+        layer.make_mask = partial(_decode_mask, layer)
+    try:
+        yield
+    finally:
+        for layer in rotating:
+            del layer.make_mask
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` with every array held through a new object and containers copied."""
+    if isinstance(value, mx.array):
+        return copy.copy(value)
+    if isinstance(value, list):
+        return [_frozen(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _frozen(v) for k, v in value.items()}
+    return value
+
+
+def _snapshot(layer: Any) -> Any:
+    """What restores ``layer``: ``None`` for a layer that appends (it is trimmed instead)."""
+    kind = _kind(layer)
+    if kind == "append":
+        return None
+    if kind == "list":
+        return [_snapshot(member) for member in layer.caches]
+    return _frozen(vars(layer))
+
+
+def _restore(layer: Any, snapshot: Any, n: int) -> None:
+    """Puts ``layer`` back as ``snapshot`` holds it; a layer that appends drops ``n`` tokens."""
+    kind = _kind(layer)
+    if kind == "append":
+        layer.trim(n)
+    elif kind == "list":
+        for member, state in zip(layer.caches, snapshot, strict=True):
+            _restore(member, state, n)
+    else:
+        vars(layer).clear()
+        vars(layer).update(_frozen(snapshot))
+
+
+def _snapshots_needed(layers: list[Any]) -> bool:
+    return any(
+        _kind(layer) in ("rotating", "recurrent")
+        or (_kind(layer) == "list" and _snapshots_needed(list(layer.caches)))
+        for layer in layers
+    )
+
+
+@dataclass
+class _Checkpoint:
+    length: int
+    states: list[Any]
+
+
+class ModelCache:
+    """One model's caches and the length of text they hold, taken back exactly on request.
+
+    Attributes:
+        layers (list): the caches, one per layer, updated in place: it is the caller's list, so
+            a cache that quantization replaces is replaced there too.
+        length (int): tokens of the text the caches hold.
+        replays (bool): whether a rejected draft is taken back by restoring a checkpoint (some
+            layer keeps a recurrent state) rather than by trimming.
+    """
+
+    def __init__(self, layers: list[Any], length: int = 0) -> None:
+        self.layers = layers
+        self.length = length
+        self.replays = _replays(layers)
+        self._snapshots = _snapshots_needed(layers)
+        self._checkpoints: list[_Checkpoint] = []
+
+    def checkpoint(self) -> None:
+        """Remembers the caches' state at the current length.
+
+        Cheap: layers that append are trimmed back instead, and the others are held by
+        reference. A model whose layers all append keeps nothing. Checkpoints stack until
+        :meth:`rewind` passes below them or :meth:`forget` drops them.
+        """
+        if self._snapshots:
+            states = [_snapshot(layer) for layer in self.layers]
+            self._checkpoints.append(_Checkpoint(self.length, states))
+
+    def forget(self) -> None:
+        """Drops every checkpoint."""
+        self._checkpoints.clear()
+
+    def fed(self, count: int) -> None:
+        """Records that the model was just called on ``count`` more tokens."""
+        self.length += count
+
+    def rewind(self, length: int) -> int:
+        """Takes the caches back to hold ``length`` tokens, or fewer when only a checkpoint can.
+
+        Trims every layer when that is exact for all of them; otherwise restores the latest
+        checkpoint at or below ``length``. Checkpoints above the result are dropped.
+
+        Args:
+            length (int): the tokens to keep.
+
+        Returns:
+            int: the tokens the caches now hold, at most ``length``; the caller feeds the rest
+            again with its next call.
+
+        Raises:
+            RuntimeError: the caches cannot be trimmed exactly and no checkpoint is low enough
+                (a caller's bug: checkpoint before every call that may be undone).
+        """
+        n = self.length - length
+        if n <= 0:
+            return self.length
+        if all(_trimmable(layer, n) for layer in self.layers):
+            for layer in self.layers:
+                _trim(layer, n)
+            self.length = length
+        else:
+            usable = [c for c in self._checkpoints if c.length <= length]
+            if not usable:
+                raise RuntimeError(
+                    f"ModelCache.rewind: no checkpoint at or below {length} tokens (the caches "
+                    f"hold {self.length}, checkpoints at {[c.length for c in self._checkpoints]})"
+                )
+            point = usable[-1]
+            for layer, state in zip(self.layers, point.states, strict=True):
+                _restore(layer, state, self.length - point.length)
+            self.length = point.length
+        self._checkpoints = [c for c in self._checkpoints if c.length <= self.length]
+        return self.length

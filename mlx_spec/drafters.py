@@ -1,0 +1,366 @@
+"""What proposes draft tokens: a draft model, or prompt lookup over the text so far.
+
+A :class:`Drafter` proposes up to ``n`` tokens after the text, lazily, with or without the
+distributions they were drawn from, and is told after each round how many of them were kept.
+Two ship:
+
+- :class:`ModelDrafter`: a small model with the target's tokenizer, run token by token on its own
+  caches (rolled back exactly after each round, recurrent and sliding-window ones included);
+- :class:`PromptLookupDrafter`: no second model; it finds the latest earlier occurrence of the
+  text's last n-gram and proposes what followed it, from an index kept up to date as the text
+  grows, so a proposal costs a few dictionary lookups whatever the length of the text.
+
+Lookup drafts are deterministic (point masses), which :func:`mlx_spec.accept_sampled` keeps with
+probability ``p(d)``: lossless at any temperature. With ``distribution=True`` and a sampled
+generation, a lookup draft is instead drawn from the frequencies of the continuations the text
+holds, and kept with probability ``sum(min(p, q))``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .caches import ModelCache
+from .rules import Rule
+
+__all__ = ["Draft", "DraftSetup", "Drafter", "ModelDrafter", "PromptLookupDrafter", "Text"]
+
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+class Text:
+    """The text of one generation: the prompt, then the tokens generated so far.
+
+    Attributes:
+        prompt (array): ``[P]`` uint32 prompt tokens.
+        generated (list of int): the tokens generated so far.
+    """
+
+    def __init__(self, prompt: mx.array, prompt_ids: list[int]) -> None:
+        self.prompt = prompt
+        self.generated: list[int] = []
+        self._prompt_ids = prompt_ids
+        self._array = prompt
+
+    def __len__(self) -> int:
+        return self.prompt.size + len(self.generated)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Appends generated ``tokens``."""
+        self.generated.extend(tokens)
+        self._array = None
+
+    def tokens(self, start: int, stop: int | None = None) -> mx.array:
+        """``[stop - start]`` uint32 tokens of the text (to its end without ``stop``)."""
+        stop = len(self) if stop is None else stop
+        p = self.prompt.size
+        if stop <= p:
+            return self.prompt[start:stop]
+        tail = mx.array(self.generated[max(start - p, 0) : stop - p], dtype=mx.uint32)
+        return mx.concatenate([self.prompt[start:], tail]) if start < p else tail
+
+    def array(self) -> mx.array:
+        """``[len(self)]`` uint32: the whole text (built once per round, for logits processors)."""
+        if self._array is None:
+            self._array = self.tokens(0)
+        return self._array
+
+    def ids(self, start: int, stop: int | None = None) -> list[int]:
+        """The text's tokens ``start:stop`` as Python ints (no device read)."""
+        stop = len(self) if stop is None else stop
+        p = len(self._prompt_ids)
+        head = self._prompt_ids[start:stop] if start < p else []
+        return head + self.generated[max(start - p, 0) : max(stop - p, 0)]
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Draft tokens proposed for one round.
+
+    Attributes:
+        tokens (array): ``[n]`` uint32 tokens, lazy.
+        probs (array, optional): ``[n, V_d]`` float32 distributions the tokens were drawn from
+            (any ``V_d``: the loop pads or cuts them to the target's vocabulary); ``None`` for
+            deterministic drafts (a point mass on each token).
+        steps (int): model calls made to propose them, for the choice of draft lengths.
+    """
+
+    tokens: mx.array
+    probs: mx.array | None = None
+    steps: int = 0
+
+    @property
+    def size(self) -> int:
+        """int: the number of draft tokens ``n``."""
+        return self.tokens.size
+
+
+_EMPTY = Draft(mx.array([], dtype=mx.uint32))
+
+
+@dataclass(frozen=True)
+class DraftSetup:
+    """What a drafter learns from the generation it drafts for.
+
+    Attributes:
+        rule (Rule): how tokens are drawn (greedy, sampled, or drawn by the sampler).
+        logits_processors (list): ``processor(tokens, logits) -> logits`` applied in order to a
+            model drafter's ``[1, V]`` logits, ``tokens`` being the text before that position.
+        quantize (callable): applied to a model drafter's caches after each call (mlx-lm's
+            ``kv_bits`` quantization).
+        prefill_step_size (int): prompt tokens per prefill call.
+        seed (int, optional): a host seed derived from the generation's key, for drafters that
+            draw on the host; ``None`` when the rule takes no keys.
+    """
+
+    rule: Rule
+    logits_processors: Sequence[LogitsProcessor] = ()
+    quantize: Callable[[list[Any]], None] = field(default=lambda cache: None)
+    prefill_step_size: int = 512
+    seed: int | None = None
+
+
+class Drafter(ABC):
+    """Proposes draft tokens; subclass it for a drafter of your own.
+
+    The loop calls :meth:`start` once, then per round :meth:`propose` and :meth:`update`, and
+    :meth:`finish` when the generation ends. Proposals may be lazy; the loop reads them together
+    with the round's acceptance, in its one host read.
+    """
+
+    #: Whether a proposal costs no model call, so the loop may ask for one it does not verify.
+    free: bool = False
+
+    def start(self, text: Text, setup: DraftSetup) -> None:  # noqa: B027 (optional hook)
+        """Prepares for a generation whose text starts as ``text`` (the prompt)."""
+
+    @abstractmethod
+    def propose(self, text: Text, n: int, key: mx.array | None) -> Draft:
+        """Up to ``n`` tokens to follow ``text``.
+
+        Args:
+            text (Text): the text so far.
+            n (int): the most tokens to propose, ``>= 0``.
+            key (array, optional): ``[2]`` uint32 key for drawing them; ``None`` when the rule
+                takes no keys.
+
+        Returns:
+            Draft: at most ``n`` tokens (fewer, or none, when there is nothing to propose).
+        """
+
+    def update(self, text: Text, accepted: int) -> None:  # noqa: B027 (optional hook)
+        """After a round: ``accepted`` tokens of the last proposal were kept, and ``text`` has
+        grown by them and the target's next token (unless the generation ended within them)."""
+
+    def finish(self, text: Text, length: int, feed: bool) -> None:  # noqa: B027 (optional hook)
+        """At the end of a generation: the final text is ``text[:length]``; ``feed`` says whether
+        to hold all of it (else a prefix is enough, as after an error)."""
+
+
+class ModelDrafter(Drafter):
+    """A draft model with the target's tokenizer.
+
+    Args:
+        model (nn.Module): the draft model (its vocabulary may be padded differently).
+        cache (list, optional): its caches, one per layer, reused and updated in place. Default:
+            new caches.
+    """
+
+    def __init__(self, model: nn.Module, cache: list[Any] | None = None) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.model = model
+        self.cache = ModelCache(cache if cache is not None else make_prompt_cache(model))
+        self._setup = DraftSetup(Rule("greedy"))
+        self._base = 0
+
+    def start(self, text: Text, setup: DraftSetup) -> None:
+        self._setup = setup
+        self.cache.length = 0
+        while self.cache.length < len(text) - 1:
+            stop = min(self.cache.length + setup.prefill_step_size, len(text) - 1)
+            self._feed(text.tokens(self.cache.length, stop))
+            mx.eval([c.state for c in self.cache.layers])
+
+    def _feed(self, tokens: mx.array) -> mx.array:
+        logits = self.model(tokens[None], cache=self.cache.layers)
+        self._setup.quantize(self.cache.layers)
+        self.cache.fed(tokens.size)
+        return logits[0, -1:]
+
+    def _process(self, logits: mx.array, text: Text, drafts: list[mx.array]) -> mx.array:
+        processors = self._setup.logits_processors
+        if not processors:
+            return logits
+        tokens = mx.concatenate([text.array(), *drafts]) if drafts else text.array()
+        for processor in processors:
+            logits = processor(tokens, logits)
+        return logits
+
+    def propose(self, text: Text, n: int, key: mx.array | None) -> Draft:
+        self._base = len(text)
+        if n == 0:
+            return _EMPTY
+        keys = mx.random.split(key, n) if key is not None else [None] * n
+        pending = text.tokens(self.cache.length)
+        drafts: list[mx.array] = []
+        rows: list[mx.array] = []
+        for i in range(n):
+            if i:
+                # The state holding the text and i - 1 drafts: a rejection may come back to it.
+                self.cache.checkpoint()
+            logits = self._process(self._feed(pending), text, drafts)
+            token, q = self._setup.rule.draw(logits, keys[i])
+            # Start computing while the next step's graph is built (not a host read).
+            mx.async_eval(token)
+            drafts.append(token)
+            if q is not None:
+                rows.append(q)
+            pending = token
+        probs = mx.concatenate(rows) if rows else None
+        return Draft(mx.concatenate(drafts), probs, steps=n)
+
+    def update(self, text: Text, accepted: int) -> None:
+        self.cache.rewind(self._base + accepted)
+        self.cache.forget()
+
+    def finish(self, text: Text, length: int, feed: bool) -> None:
+        held = self.cache.rewind(length)
+        if feed and held < length:
+            self._feed(text.tokens(held, length))
+        self.cache.forget()
+
+
+class _NgramIndex:
+    """For every n-gram of the text (``min_n <= n <= max_n``), where it was last followed by a
+    token, and how often by each token; updated as the text grows."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.sizes = range(max_n, min_n - 1, -1)
+        self.last: dict[tuple[int, ...], int] = {}
+        self.counts: dict[tuple[int, ...], Counter[int]] = {}
+        self.ids: list[int] = []
+
+    def extend(self, ids: list[int]) -> None:
+        """Appends ``ids`` to the indexed text: time in ``len(ids)``, not in the text's length."""
+        text = self.ids
+        for token in ids:
+            end = len(text)
+            for n in self.sizes:
+                if n <= end:
+                    gram = tuple(text[end - n :])
+                    self.last[gram] = end
+                    self.counts.setdefault(gram, Counter())[token] += 1
+            text.append(token)
+
+    def match(self, suffix: list[int]) -> tuple[int, ...] | None:
+        """The longest n-gram ending ``suffix`` that occurred earlier with a continuation."""
+        for n in self.sizes:
+            if n <= len(suffix):
+                gram = tuple(suffix[len(suffix) - n :])
+                if gram in self.last:
+                    return gram
+        return None
+
+
+class PromptLookupDrafter(Drafter):
+    """Drafts by prompt lookup (n-gram matching), with no draft model.
+
+    For the text's last ``max_ngram`` tokens, then fewer down to ``min_ngram``, it looks for the
+    latest earlier occurrence and proposes the tokens that followed it, up to ``n`` (and never
+    past the end of the text). With nothing matching it proposes nothing, and the round is a
+    plain step of the target.
+
+    Args:
+        max_ngram (int): the longest n-gram to match, ``>= min_ngram``. Default: ``3``.
+        min_ngram (int): the shortest n-gram to match, ``>= 1``. Default: ``1``.
+        distribution (bool): in a sampled generation, draw each draft token from the frequencies
+            of the tokens that followed the matched n-gram (and keep it with probability
+            ``sum(min(p, q))``) instead of proposing the latest continuation (kept with
+            probability ``p(d)``). Greedy generation always proposes the latest continuation.
+            Default: ``False``.
+
+    Raises:
+        ValueError: an n-gram size is not an integer ``>= 1``, or ``min_ngram > max_ngram``.
+    """
+
+    free = True
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, distribution: bool = False) -> None:
+        for name, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"PromptLookupDrafter: `{name}` must be an int >= 1, got {value!r}"
+                )
+        if min_ngram > max_ngram:
+            raise ValueError(
+                f"PromptLookupDrafter: `min_ngram` ({min_ngram}) must not exceed `max_ngram` "
+                f"({max_ngram})"
+            )
+        if not isinstance(distribution, bool):
+            raise ValueError(
+                f"PromptLookupDrafter: `distribution` must be a bool, got {distribution!r}"
+            )
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.distribution = distribution
+        self._index = _NgramIndex(min_ngram, max_ngram)
+        self._rng: np.random.Generator | None = None
+        self._sample = False
+
+    def start(self, text: Text, setup: DraftSetup) -> None:
+        self._index = _NgramIndex(self.min_ngram, self.max_ngram)
+        self._index.extend(text.ids(0))
+        self._sample = self.distribution and setup.rule.random
+        self._rng = np.random.default_rng(setup.seed) if self._sample else None
+
+    def update(self, text: Text, accepted: int) -> None:
+        self._index.extend(text.ids(len(self._index.ids)))
+
+    def finish(self, text: Text, length: int, feed: bool) -> None:
+        self.update(text, 0)
+
+    def propose(self, text: Text, n: int, key: mx.array | None) -> Draft:
+        ids = self._index.ids
+        if n == 0:
+            return _EMPTY
+        if self._sample:
+            return self._draw(n)
+        gram = self._index.match(ids[-self.max_ngram :])
+        if gram is None:
+            return _EMPTY
+        start = self._index.last[gram]
+        return Draft(mx.array(ids[start : start + n], dtype=mx.uint32))
+
+    def _draw(self, n: int) -> Draft:
+        """Draws up to ``n`` tokens, each from the continuations of the n-gram it follows."""
+        suffix = self._index.ids[-self.max_ngram :]
+        tokens: list[int] = []
+        rows: list[tuple[np.ndarray, np.ndarray]] = []
+        for _ in range(n):
+            gram = self._index.match(suffix)
+            if gram is None:
+                break
+            counts = self._index.counts[gram]
+            support = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+            weights = np.fromiter(counts.values(), dtype=np.float64, count=len(counts))
+            weights /= weights.sum()
+            token = int(self._rng.choice(support, p=weights))
+            tokens.append(token)
+            rows.append((support, weights))
+            suffix = [*suffix[1:], token] if len(suffix) == self.max_ngram else [*suffix, token]
+        if not tokens:
+            return _EMPTY
+        width = max(int(s.max()) for s, _ in rows) + 1
+        dense = np.zeros((len(rows), width), dtype=np.float32)
+        for i, (support, weights) in enumerate(rows):
+            dense[i, support] = weights
+        return Draft(mx.array(tokens, dtype=mx.uint32), mx.array(dense))

@@ -1,0 +1,164 @@
+"""``patch_mlx_lm``: mlx-lm's own generation, command and server through mlx-spec's loop.
+
+:func:`patch_mlx_lm` replaces, in the loaded mlx-lm:
+
+- ``mlx_lm.generate.speculative_generate_step`` by mlx-spec's. mlx-lm's ``stream_generate``
+  looks it up when it gets a ``draft_model``, and its server calls that ``stream_generate``.
+- ``stream_generate`` in ``mlx_lm.generate`` and ``mlx_lm`` by a function that runs mlx-spec's
+  :func:`mlx_spec.generation.stream_generate` when there is a draft model (so ``max_kv_size``
+  makes rotating caches there too) or, with ``prompt_lookup=True``, when there is none; and
+  mlx-lm's own otherwise. ``generate`` and the ``mlx_lm.generate`` command go through it.
+- ``make_sampler`` in ``mlx_lm.sample_utils``, ``mlx_lm.generate`` and, when imported,
+  ``mlx_lm.server`` by a wrapper returning mlx-lm's own sampler (called exactly as before, so
+  generation without speculation is unchanged) that also carries ``probs``, its distribution
+  from :func:`mlx_spec.sampling.make_sampler`; drafts are then kept by rejection sampling.
+  Greedy and XTC samplers are returned as they are (XTC keeps mlx-lm's rule, with a warning).
+
+:func:`unpatch_mlx_lm` undoes it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import GenerationResponse, generation_stream
+
+from . import generation
+from .sampling import make_sampler
+
+__all__ = ["patch_mlx_lm", "unpatch_mlx_lm"]
+
+_lm_generate = importlib.import_module("mlx_lm.generate")
+_lm_sample_utils = importlib.import_module("mlx_lm.sample_utils")
+
+Sampler = generation.Sampler
+
+# mlx-lm's functions, as they were when this module was imported.
+_LM_SPECULATIVE_STEP = _lm_generate.speculative_generate_step
+_LM_STREAM_GENERATE = generation._LM_STREAM_GENERATE
+_LM_MAKE_SAMPLER = _lm_sample_utils.make_sampler
+
+_SAMPLER_MODULES = ("mlx_lm.sample_utils", "mlx_lm.generate", "mlx_lm.server")
+_STREAM_MODULES = ("mlx_lm.generate", "mlx_lm")
+
+# Whether the patched stream_generate drafts by prompt lookup when it has no draft model.
+_options = {"prompt_lookup": False}
+
+
+@dataclass(frozen=True)
+class _MlxLmSampler:
+    """mlx-lm's sampler, unchanged when called, with the distribution it draws from.
+
+    Attributes:
+        sample (callable): the sampler ``mlx_lm.sample_utils.make_sampler`` made.
+        distribution (SpecSampler): mlx-spec's sampler with the same arguments.
+    """
+
+    sample: Sampler
+    distribution: Any
+
+    greedy = False
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        return self.sample(logprobs)
+
+    def probs(self, logprobs: mx.array) -> mx.array:
+        return self.distribution.probs(logprobs)
+
+
+def _make_mlx_lm_sampler(
+    temp: float = 0.0,
+    top_p: float = 0.0,
+    min_p: float = 0.0,
+    min_tokens_to_keep: int = 1,
+    top_k: int = 0,
+    xtc_probability: float = 0.0,
+    xtc_threshold: float = 0.1,
+    xtc_special_tokens: list[int] | None = None,
+) -> Sampler:
+    """``mlx_lm.sample_utils.make_sampler`` while patched: its sampler, plus ``probs``."""
+    sample = _LM_MAKE_SAMPLER(
+        temp,
+        top_p,
+        min_p,
+        min_tokens_to_keep,
+        top_k,
+        xtc_probability,
+        xtc_threshold,
+        xtc_special_tokens,
+    )
+    if temp == 0 or xtc_probability > 0.0:
+        # Greedy is recognised as such; XTC has no distribution here (mlx-lm's rule applies).
+        return sample
+    try:
+        distribution = make_sampler(temp, top_p, min_p, min_tokens_to_keep, top_k)
+    except ValueError:
+        return sample
+    return _MlxLmSampler(sample, distribution)
+
+
+def _stream_generate(
+    model: nn.Module,
+    tokenizer: Any,
+    prompt: str | mx.array | list[int],
+    max_tokens: int = 256,
+    draft_model: nn.Module | None = None,
+    stream: Any = generation_stream,
+    **kwargs: Any,
+) -> Generator[GenerationResponse, None, None]:
+    """mlx-lm's ``stream_generate`` while patched (see the module's description)."""
+    if draft_model is None and _options["prompt_lookup"] and "drafter" not in kwargs:
+        kwargs["drafter"] = "prompt-lookup"
+    if draft_model is None and kwargs.get("drafter") is None:
+        kwargs.pop("drafter", None)
+        return _LM_STREAM_GENERATE(model, tokenizer, prompt, max_tokens, None, stream, **kwargs)
+    return generation.stream_generate(
+        model, tokenizer, prompt, max_tokens, draft_model, stream, **kwargs
+    )
+
+
+def patch_mlx_lm(*, prompt_lookup: bool = False) -> None:
+    """Routes mlx-lm's speculative decoding through mlx-spec; idempotent.
+
+    Args:
+        prompt_lookup (bool): also make mlx-lm's single-sequence generation without a draft
+            model (``stream_generate``, ``generate``, the ``mlx_lm.generate`` command) speculate
+            by prompt lookup, with ``num_draft_tokens`` drafts a round. The server's batched
+            generation is not changed. Default: ``False``.
+
+    Raises:
+        ValueError: ``prompt_lookup`` is not a bool.
+    """
+    if not isinstance(prompt_lookup, bool):
+        raise ValueError(f"patch_mlx_lm: `prompt_lookup` must be a bool, got {prompt_lookup!r}")
+    _options["prompt_lookup"] = prompt_lookup
+    _lm_generate.speculative_generate_step = generation.speculative_generate_step
+    for name in _STREAM_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "stream_generate", None) is _LM_STREAM_GENERATE:
+            module.stream_generate = _stream_generate
+    for name in _SAMPLER_MODULES:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "make_sampler", None) is _LM_MAKE_SAMPLER:
+            module.make_sampler = _make_mlx_lm_sampler
+
+
+def unpatch_mlx_lm() -> None:
+    """Restores what :func:`patch_mlx_lm` replaced, also in mlx-lm modules imported meanwhile
+    (which took the patched functions); idempotent."""
+    _options["prompt_lookup"] = False
+    _lm_generate.speculative_generate_step = _LM_SPECULATIVE_STEP
+    originals = {_make_mlx_lm_sampler: _LM_MAKE_SAMPLER, _stream_generate: _LM_STREAM_GENERATE}
+    for name, module in list(sys.modules.items()):
+        if name == "mlx_lm" or name.startswith("mlx_lm."):
+            for attribute in ("make_sampler", "stream_generate"):
+                value = getattr(module, attribute, None)
+                for patched, original in originals.items():
+                    if value is patched:
+                        setattr(module, attribute, original)
