@@ -75,27 +75,39 @@ class DraftLength:
         c0, c1, c2 = self._theta
         return c0 + c1 * fed + c2 * steps
 
-    def choose(self, pending: int, cap: int) -> int:
+    def choose(self, pending: int, cap: int, replays: bool = False) -> int:
         """The number of draft tokens of the next round.
 
         Args:
             pending (int): the tokens of the text the target still lacks (``>= 1``).
             cap (int): the most this round may draft (tokens left to generate, the limits of the
                 caches), ``>= 0``.
+            replays (bool): whether a rejection restores the target's caches, whose next call
+                then feeds again everything since the last fully kept round.
 
         Returns:
-            int: ``N`` in ``[0, min(most, cap)]``.
+            int: ``N`` in ``[0, min(most, cap)]``. With ``replays`` and a fixed length, 0 once
+            more than ``most + 1`` tokens wait: that round is a plain step over them, which
+            keeps the tokens fed again from growing with every rejection.
         """
         top = min(self.most, cap)
-        if not self.adaptive or top == 0 or self._theta is None:
+        if not self.adaptive:
+            return 0 if replays and pending > self.most + 1 else top
+        if top == 0 or self._theta is None:
             return top
         a = min(self.acceptance, 0.999)
         best, best_rate = 0, 0.0
         for n in range(top + 1):
             tokens = (1 - a ** (n + 1)) / (1 - a)
-            cost = max(self._cost(pending + n, 0 if self.free else n), 1e-9)
-            if tokens / cost > best_rate * (1 + 1e-9):
-                best, best_rate = n, tokens / cost
+            cost = self._cost(pending + n, 0 if self.free else n)
+            if replays and n:
+                # A rejection (chance 1 - a^n) makes the next call feed again what waits now and
+                # the tokens kept before the rejection.
+                kept = sum(i * a**i * (1 - a) for i in range(n)) / max(1 - a**n, 1e-12)
+                cost += (1 - a**n) * self._theta[1] * (pending + kept)
+            rate = tokens / max(cost, 1e-9)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = n, rate
         if self._count % _EXPLORE_EVERY == _EXPLORE_EVERY - 1:
             step = 1 if (self._count // _EXPLORE_EVERY) % 2 else -1
             if best == 0 or best == top:

@@ -238,7 +238,7 @@ class _Generation:
         length = len(self.text)
         pending = length - self.target.cache.length
         cap = min(remaining - 1, self.target.room() - pending)
-        n = self.lengths.choose(pending, max(cap, 0))
+        n = self.lengths.choose(pending, max(cap, 0), self.target.cache.replays)
         draft_key = verify_key = None
         if self.rule.random:
             self.key, draft_key, verify_key = mx.random.split(self.key, 3)

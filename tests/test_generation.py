@@ -1,145 +1,33 @@
 """The speculative generation loop against mlx-lm's plain generation, with tiny real llama models.
 
-Models are ``mlx_lm.models.llama`` with fixed random float32 weights, built here (no downloads):
-a target whose first layer dominates its second and whose output layer is scaled up, so its
-distributions are peaked and its greedy text varied; drafts are the target itself, the target cut
-to its first layer (agrees on about 3 of 4 tokens at temperature 0) and an unrelated random model
-(almost never agrees).
+Models are ``mlx_lm.models.llama`` with fixed random float32 weights (``tests/tiny_models.py``, no
+downloads): a target whose first layer dominates its second and whose output layer is scaled up,
+so its distributions are peaked and its greedy text varied; drafts are the target itself, the
+target cut to its first layer (agrees on about 3 of 4 tokens at temperature 0) and an unrelated
+random model (almost never agrees). The distribution tests are in ``test_generation_sampled.py``,
+mlx-lm's entry points and the patch in ``test_patch.py``, other cache classes in
+``test_caches.py`` and the drafters in ``test_drafters.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
-import sys
 import warnings
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from helpers import PROMPT, run
 from kernel_reference import reference_launch
-from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.generate import generate_step
-from mlx_lm.models import llama
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache, trim_prompt_cache
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
-from scipy import stats as scipy_stats
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors
+from mlx_lm.sample_utils import make_sampler as lm_make_sampler
 
-import mlx_spec.generation as spec_generation
 from mlx_spec import fused
 from mlx_spec.acceptance import accept_sampled, read
-from mlx_spec import rules
-from mlx_spec.generation import (
-    SpeculativeResponse,
-    SpeculativeStats,
-    speculative_generate_step,
-    stream_generate,
-)
-from mlx_spec.patch import patch_mlx_lm, unpatch_mlx_lm
+from mlx_spec.generation import SpeculativeStats, speculative_generate_step
 from mlx_spec.sampling import make_sampler
-
-lm_generate = importlib.import_module("mlx_lm.generate")
-lm_sample_utils = importlib.import_module("mlx_lm.sample_utils")
-
-PROMPT = [1, 2, 3, 4, 5]
-
-
-def tiny_llama(
-    seed: int,
-    *,
-    vocab: int = 256,
-    layers: int = 2,
-    scales: tuple[float, ...] = (3.0, 1.5),
-    head: float = 8.0,
-) -> llama.Model:
-    """A float32 llama with weights drawn from ``seed``; layer ``i``'s matrices scaled by
-    ``scales[i]`` and the (untied) output layer by ``head``."""
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=64,
-        num_hidden_layers=layers,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=vocab,
-        tie_word_embeddings=False,
-    )
-    mx.random.seed(seed)
-    model = llama.Model(args)
-
-    def scale(path: str, w: mx.array) -> mx.array:
-        parts = path.split(".")
-        if parts[:2] == ["model", "layers"] and "norm" not in path:
-            return w * scales[int(parts[2])]
-        return w * head if parts[0] == "lm_head" else w
-
-    model.update(tree_map_with_path(scale, model.parameters()))
-    mx.eval(model.parameters())
-    return model
-
-
-def truncated(model: llama.Model, layers: int) -> llama.Model:
-    """``model`` keeping its first ``layers`` layers, embeddings and output layer."""
-    args = dataclasses.replace(model.args, num_hidden_layers=layers, layer_types=None)
-    cut = llama.Model(args)
-    weights = [
-        (k, v)
-        for k, v in tree_flatten(model.parameters())
-        if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
-    ]
-    cut.load_weights(weights)
-    mx.eval(cut.parameters())
-    return cut
-
-
-class ByteTokenizer:
-    """The least a tokenizer needs for mlx-lm's ``TokenizerWrapper``: token ``i`` is a letter."""
-
-    eos_token_id = 0
-    bos_token = None
-    chat_template = None
-
-    def get_vocab(self) -> dict[str, int]:
-        return {}
-
-    def apply_chat_template(self, *args, **kwargs):
-        raise NotImplementedError
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [1 + ord(c) % 200 for c in text]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(ord("a") + i % 26) for i in ids if i != 0)
-
-
-@pytest.fixture(scope="module")
-def target() -> llama.Model:
-    return tiny_llama(0)
-
-
-@pytest.fixture(scope="module")
-def drafts(target: llama.Model) -> dict[str, llama.Model]:
-    return {"self": target, "truncated": truncated(target, 1), "unrelated": tiny_llama(7)}
-
-
-@pytest.fixture(scope="module")
-def greedy_reference(target: llama.Model) -> list[int]:
-    """300 tokens of mlx-lm's plain greedy ``generate_step``."""
-    return [t for t, _ in generate_step(mx.array(PROMPT), target, max_tokens=300)]
-
-
-def run(prompt, model, draft, **kwargs) -> tuple[list[int], list[bool], SpeculativeStats]:
-    stats = SpeculativeStats()
-    tokens, flags = [], []
-    for token, _, from_draft in speculative_generate_step(
-        mx.array(prompt), model, draft, stats=stats, **kwargs
-    ):
-        tokens.append(token)
-        flags.append(from_draft)
-    return tokens, flags, stats
-
 
 # --- temperature 0: equal to plain greedy generation -----------------------------------------
 
@@ -234,9 +122,6 @@ def test_yielded_logprobs_equal_plain_generation(target, drafts) -> None:
     for a, b in zip(got, plain, strict=True):
         assert a.shape == (256,)
         np.testing.assert_allclose(a, b, atol=2e-4)
-
-
-# --- caches and host reads ---------------------------------------------------------------------
 
 
 def offsets(cache) -> set[int]:
@@ -350,9 +235,6 @@ def test_bad_arguments_raise_value_error(target, drafts, kwargs, match) -> None:
         speculative_generate_step(prompt, target, drafts["truncated"], **kwargs)
 
 
-# --- temperature > 0 -----------------------------------------------------------------------------
-
-
 def test_same_key_same_tokens_and_seed_works(target, drafts) -> None:
     sampler = make_sampler(temp=1.0)
     args = (PROMPT, target, drafts["truncated"])
@@ -432,150 +314,10 @@ def test_mlx_lm_greedy_sampler_is_greedy_without_warning(target, drafts, greedy_
             PROMPT,
             target,
             drafts["truncated"],
-            sampler=lm_sample_utils.make_sampler(temp=0.0),
+            sampler=lm_make_sampler(temp=0.0),
             max_tokens=50,
         )
     assert tokens == greedy_reference[:50]
-
-
-SMALL_VOCAB = 24
-
-
-@pytest.fixture(scope="module")
-def small_pair() -> tuple[llama.Model, llama.Model]:
-    model = tiny_llama(3, vocab=SMALL_VOCAB, head=4.0)
-    return model, truncated(model, 1)
-
-
-def exact_joint(model: llama.Model, temp: float, **filters) -> np.ndarray:
-    """``[V, V]`` float64: P(t1, t2) of plain sampling with mlx-lm's filters and temperature."""
-
-    def dist(tokens: list[int]) -> np.ndarray:
-        logits = model(mx.array(tokens)[None])[0, -1:].astype(mx.float32)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if filters.get("top_p"):
-            logprobs = apply_top_p(logprobs, filters["top_p"])
-        if filters.get("min_p"):
-            logprobs = apply_min_p(logprobs, filters["min_p"])
-        if filters.get("top_k"):
-            logprobs = apply_top_k(logprobs, filters["top_k"])
-        p = np.array(mx.softmax(logprobs * (1 / temp), axis=-1)[0], dtype=np.float64)
-        return p / p.sum()
-
-    first = dist(PROMPT)
-    joint = np.zeros((SMALL_VOCAB, SMALL_VOCAB))
-    for t1 in range(SMALL_VOCAB):
-        if first[t1] > 0:
-            joint[t1] = first[t1] * dist([*PROMPT, t1])
-    return joint
-
-
-def sampled_pairs(model, draft, sampler, samples: int, n: int = 2) -> np.ndarray:
-    """``[V, V]`` counts of the first two tokens over ``samples`` runs with keys 0, 1, ...;
-    the prompt is prefilled once and the caches trimmed back after each run."""
-    cache = make_prompt_cache(model) + make_prompt_cache(draft)
-    prompt = mx.array(PROMPT)
-    model(prompt[None, :-1], cache=cache[:2])
-    draft(prompt[None, :-1], cache=cache[2:])
-    counts = np.zeros((SMALL_VOCAB, SMALL_VOCAB), dtype=np.int64)
-    for i in range(samples):
-        steps = speculative_generate_step(
-            prompt[-1:],
-            model,
-            draft,
-            sampler=sampler,
-            num_draft_tokens=n,
-            max_tokens=2,
-            prompt_cache=cache,
-            key=mx.random.key(i),
-        )
-        t1, t2 = (token for token, _, _ in steps)
-        counts[t1, t2] += 1
-        trim_prompt_cache(cache[:2], 3)
-        trim_prompt_cache(cache[2:], 3)
-    return counts
-
-
-def chi_square_p(counts: np.ndarray, expected_probs: np.ndarray) -> float:
-    """Pearson chi-square p-value; cells expecting fewer than 5 draws are pooled into one."""
-    total = counts.sum()
-    expected = expected_probs.ravel() * total
-    observed = counts.ravel()
-    assert observed[expected == 0].sum() == 0, "a token of probability 0 was emitted"
-    big = expected >= 5
-    obs = np.append(observed[big], observed[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    return float(
-        scipy_stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
-    )
-
-
-# Threshold and sizes: a correct loop passes p > 1e-3 with these fixed keys; every negative control
-# (a slightly wrong distribution) must give p < 1e-3 with the same sizes.
-THRESHOLD = 1e-3
-
-
-def test_first_two_tokens_have_the_target_distribution(small_pair) -> None:
-    model, draft = small_pair
-    expected = exact_joint(model, 1.0)
-    counts = sampled_pairs(model, draft, make_sampler(temp=1.0), samples=1000)
-    assert chi_square_p(counts, expected) > THRESHOLD
-
-
-def test_negative_control_resampling_from_the_target_fails(small_pair, monkeypatch) -> None:
-    # A classic bug: after a rejection, drawing `next` from p instead of norm(max(p - q, 0)).
-    model, draft = small_pair
-    expected = exact_joint(model, 1.0)
-
-    def without_residual(probs, tokens, draft_probs, eos, key, **options):
-        result = accept_sampled(probs, tokens, draft_probs, eos, key, **options)
-        row = mx.take(probs, result[0], axis=0)
-        token = mx.random.categorical(mx.log(row), key=mx.random.split(key)[1])
-        return mx.stack([result[0], token.astype(mx.uint32), result[2]])
-
-    monkeypatch.setattr(rules, "accept_sampled", without_residual)
-    counts = sampled_pairs(model, draft, make_sampler(temp=1.0), samples=1000)
-    assert chi_square_p(counts, expected) < THRESHOLD
-
-
-@pytest.mark.statistical
-@pytest.mark.parametrize(
-    ("temp", "filters"),
-    [
-        (0.7, {}),
-        (1.0, {"top_p": 0.8}),
-        (1.0, {"top_k": 5}),
-        (1.0, {"min_p": 0.1}),
-        (0.8, {"top_p": 0.9, "min_p": 0.05, "top_k": 8}),
-    ],
-)
-def test_first_two_tokens_with_filters(small_pair, temp, filters) -> None:
-    model, draft = small_pair
-    expected = exact_joint(model, temp, **filters)
-    sampler = make_sampler(temp=temp, **filters)
-    counts = sampled_pairs(model, draft, sampler, samples=3000)
-    assert chi_square_p(counts, expected) > THRESHOLD
-
-
-@pytest.mark.statistical
-def test_first_two_tokens_with_an_unrelated_draft(small_pair) -> None:
-    model, _ = small_pair
-    expected = exact_joint(model, 1.0)
-    unrelated = tiny_llama(9, vocab=SMALL_VOCAB, head=4.0)
-    counts = sampled_pairs(model, unrelated, make_sampler(temp=1.0), samples=3000)
-    assert chi_square_p(counts, expected) > THRESHOLD
-
-
-@pytest.mark.statistical
-def test_negative_control_wrong_temperature_fails(small_pair) -> None:
-    model, draft = small_pair
-    expected = exact_joint(model, 1.0)
-    counts = sampled_pairs(model, draft, make_sampler(temp=1.1), samples=3000)
-    assert chi_square_p(counts, expected) < THRESHOLD
-
-
-# --- memory ---------------------------------------------------------------------------------------
 
 
 def test_memory_flat_over_a_long_generation(target, drafts) -> None:
@@ -626,184 +368,3 @@ def test_memory_flat_over_10000_acceptance_rounds() -> None:
         accepted += read(accept_sampled(p, draft, q, eos, sub))[0]
     assert mx.get_active_memory() - before < 64 * 1024
     assert 0 < accepted < 4 * 10_000
-
-
-# --- stream_generate, generate and the mlx-lm patch ---------------------------------------------
-
-
-def test_stream_generate_matches_mlx_lm_plain(target, drafts) -> None:
-    tokenizer = ByteTokenizer()
-    plain = list(lm_generate.stream_generate(target, tokenizer, PROMPT, max_tokens=50))
-    stats = SpeculativeStats()
-    ours = list(
-        stream_generate(
-            target, tokenizer, PROMPT, max_tokens=50, draft_model=drafts["truncated"], stats=stats
-        )
-    )
-    assert [r.token for r in ours] == [r.token for r in plain]
-    assert "".join(r.text for r in ours) == "".join(r.text for r in plain)
-    assert [r.finish_reason for r in ours] == [r.finish_reason for r in plain]
-    assert [r.generation_tokens for r in ours] == [r.generation_tokens for r in plain]
-    assert all(isinstance(r, SpeculativeResponse) for r in ours)
-    last = ours[-1].stats
-    assert last == stats and last.generated == 50 and last.rounds < 50
-    assert stats.rounds - 1 <= [r.from_draft for r in ours].count(False) <= stats.rounds
-
-
-def test_stream_generate_stops_at_tokenizer_eos(target, drafts, greedy_reference) -> None:
-    stop = greedy_reference[30]
-
-    class Tok(ByteTokenizer):
-        eos_token_id = stop
-
-    plain = list(lm_generate.stream_generate(target, Tok(), PROMPT, max_tokens=100))
-    cache = make_prompt_cache(target) + make_prompt_cache(drafts["self"])
-    ours = list(
-        stream_generate(
-            target,
-            Tok(),
-            PROMPT,
-            max_tokens=100,
-            draft_model=drafts["self"],
-            num_draft_tokens=8,
-            prompt_cache=cache,
-        )
-    )
-    assert ours[-1].finish_reason == plain[-1].finish_reason == "stop"
-    assert [r.token for r in ours] == [r.token for r in plain]
-    # The EOS token is in the caches, as the server's cache key expects.
-    assert offsets(cache) == {len(PROMPT) + greedy_reference.index(stop) + 1}
-
-
-def test_generate_returns_text_and_fills_stats(target, drafts) -> None:
-    tokenizer = ByteTokenizer()
-    plain = lm_generate.generate(target, tokenizer, PROMPT, max_tokens=40)
-    stats = SpeculativeStats()
-    text = spec_generation.generate(
-        target, tokenizer, PROMPT, max_tokens=40, draft_model=drafts["truncated"], stats=stats
-    )
-    assert text == plain and stats.generated == 40 and stats.rounds > 0
-
-
-@pytest.fixture
-def patched():
-    patch_mlx_lm()
-    yield
-    unpatch_mlx_lm()
-
-
-def test_patch_routes_mlx_lm_stream_generate_through_mlx_spec(patched, target) -> None:
-    import mlx_lm
-
-    sampler = lm_sample_utils.make_sampler(temp=1.0)  # made through the patched factory
-    mx.random.seed(4)
-    responses = list(
-        mlx_lm.stream_generate(
-            target,
-            ByteTokenizer(),
-            PROMPT,
-            max_tokens=41,
-            draft_model=target,
-            num_draft_tokens=4,
-            sampler=sampler,
-        )
-    )
-    # The target drafting for itself: rejection sampling keeps every draft token, so every round
-    # yields 5 tokens, 4 of them from the draft (mlx-lm's rule keeps a draft token with
-    # probability sum(p^2) only); the 41st token, alone in its round, is the target's.
-    flags = [r.from_draft for r in responses]
-    assert flags == ([True] * 4 + [False]) * 8 + [False]
-    mx.random.seed(4)
-    ours, _, _ = run(PROMPT, target, target, sampler=sampler, max_tokens=41, num_draft_tokens=4)
-    assert [r.token for r in responses] == ours
-
-
-def test_patch_keeps_plain_sampling_unchanged(target) -> None:
-    def sample(factory):
-        mx.random.seed(8)
-        return [
-            t
-            for t, _ in generate_step(
-                mx.array(PROMPT), target, max_tokens=30, sampler=factory(temp=0.9, top_p=0.9)
-            )
-        ]
-
-    before = sample(lm_sample_utils.make_sampler)
-    patch_mlx_lm()
-    try:
-        during = sample(lm_sample_utils.make_sampler)
-        assert callable(lm_sample_utils.make_sampler(temp=0.9).probs)
-    finally:
-        unpatch_mlx_lm()
-    assert during == before
-
-
-def mlx_lm_package():
-    import mlx_lm
-
-    return mlx_lm
-
-
-def test_patch_and_unpatch_are_idempotent_and_exact() -> None:
-    server = pytest.importorskip("mlx_lm.server")
-    originals = (
-        lm_generate.speculative_generate_step,
-        lm_sample_utils.make_sampler,
-        lm_generate.make_sampler,
-        server.make_sampler,
-        lm_generate.stream_generate,
-    )
-    patch_mlx_lm()
-    patch_mlx_lm()
-    assert lm_generate.speculative_generate_step is speculative_generate_step
-    for module in (lm_sample_utils, lm_generate, server):
-        assert module.make_sampler is not originals[1]
-        assert callable(module.make_sampler(temp=0.5).probs)
-    # stream_generate is replaced too, so that mlx-lm's own `max_kv_size` reaches the loop.
-    assert lm_generate.stream_generate is not originals[4]
-    assert mlx_lm_package().stream_generate is lm_generate.stream_generate
-    unpatch_mlx_lm()
-    unpatch_mlx_lm()
-    assert (
-        lm_generate.speculative_generate_step,
-        lm_sample_utils.make_sampler,
-        lm_generate.make_sampler,
-        server.make_sampler,
-        lm_generate.stream_generate,
-    ) == originals
-
-
-def test_patched_mlx_lm_command_accepts_by_rejection_sampling(
-    patched, target, monkeypatch, capsys
-) -> None:
-    # `mlx_lm.generate` (the command) with the target as its own draft at temperature 1: mlx-lm's
-    # main builds its sampler with the patched make_sampler, so mlx-spec rejection-samples, and
-    # with p == q every draft token is kept.
-    class Tok(ByteTokenizer):
-        vocab_size = 256
-
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-    tokenizer = TokenizerWrapper(Tok())
-
-    def load(path, **kwargs):
-        return (target, tokenizer, {}) if kwargs.get("return_config") else (target, tokenizer)
-
-    rounds = []
-    original_round = spec_generation._Generation.round
-
-    def counted_round(self, remaining):
-        out = original_round(self, remaining)
-        rounds.append((self.rule.kind, self.lengths.most, out[1]))
-        return out
-
-    monkeypatch.setattr(lm_generate, "load", load)
-    monkeypatch.setattr(spec_generation._Generation, "round", counted_round)
-    argv = "mlx_lm.generate --model m --draft-model d --num-draft-tokens 4 --temp 1.0"
-    argv += " --max-tokens 21 --seed 0 --ignore-chat-template --prompt hello"
-    monkeypatch.setattr(sys, "argv", argv.split())
-    lm_generate.main()
-    assert capsys.readouterr().out
-    assert rounds and {mode for mode, _, _ in rounds} == {"sampled"}
-    # Every draft token kept, and no round drafts more than the tokens left after its own.
-    assert all(from_draft == min(n, 20 - 5 * i) for i, (_, n, from_draft) in enumerate(rounds))

@@ -1,0 +1,122 @@
+"""The exact distribution of the first two generated tokens, and a chi-square test against it.
+
+:func:`exact_joint` computes ``P(t1, t2)`` of plain sampling from the target alone: mlx-lm's
+``generate_step`` (prefill, then one token at a time) with the given caches, made to emit each
+``t1`` in turn, then mlx-lm's own filters (``apply_top_p``, ``apply_min_p``, ``apply_top_k``) and
+temperature. :func:`sampled_pairs`
+counts the first two tokens of speculative generation over fixed keys ``0, 1, ...``, each run
+on new caches. A correct loop passes
+:func:`chi_square_p` above :data:`THRESHOLD`; the negative controls beside each use of these
+helpers must fall below it at the same sample size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+from scipy import stats as scipy_stats
+
+from mlx_spec.generation import speculative_generate_step
+
+#: A correct loop gives p > THRESHOLD with the fixed keys; every negative control, p < THRESHOLD.
+THRESHOLD = 1e-3
+
+CacheMaker = Callable[[Any], list[Any]]
+
+
+def exact_joint(
+    model: Any,
+    prompt: list[int],
+    vocab: int,
+    temp: float = 1.0,
+    make_cache: CacheMaker = make_prompt_cache,
+    options: dict[str, Any] | None = None,
+    **filters: float,
+) -> np.ndarray:
+    """``[V, V]`` float64: P(t1, t2) of sampling the target alone with mlx-lm's filters."""
+
+    def dist(logprobs: mx.array) -> np.ndarray:
+        logprobs = logprobs[None].astype(mx.float32)
+        if filters.get("top_p"):
+            logprobs = apply_top_p(logprobs, filters["top_p"])
+        if filters.get("min_p"):
+            logprobs = apply_min_p(logprobs, filters["min_p"])
+        if filters.get("top_k"):
+            logprobs = apply_top_k(logprobs, filters["top_k"])
+        p = np.array(mx.softmax(logprobs * (1 / temp), axis=-1)[0], dtype=np.float64)
+        return p / p.sum()
+
+    def plain(t1: int) -> tuple[np.ndarray, np.ndarray]:
+        """The distributions of the first token, and of the second after ``t1``: plain decoding
+        that emits ``t1`` first, so every position is computed as mlx-lm's loop computes it."""
+
+        def forced(logprobs: mx.array) -> mx.array:
+            return mx.full(logprobs.shape[:-1], t1, dtype=mx.uint32)
+
+        steps = generate_step(
+            mx.array(prompt),
+            model,
+            max_tokens=2,
+            sampler=forced,
+            prompt_cache=make_cache(model),
+            **(options or {}),
+        )
+        (_, first), (_, second) = steps
+        return dist(first), dist(second)
+
+    first = plain(0)[0]
+    joint = np.zeros((vocab, vocab))
+    for t1 in range(vocab):
+        if first[t1] > 0:
+            joint[t1] = first[t1] * plain(t1)[1]
+    return joint
+
+
+def sampled_pairs(
+    model: Any,
+    prompt: list[int],
+    vocab: int,
+    samples: int,
+    make_cache: CacheMaker = make_prompt_cache,
+    draft_model: Any = None,
+    **kwargs: Any,
+) -> np.ndarray:
+    """``[V, V]`` counts of the first two tokens of ``samples`` speculative runs with keys
+    ``0, 1, ...``, each on new caches; ``kwargs`` go to ``speculative_generate_step``
+    (``sampler``, ``drafter``, ``num_draft_tokens``, ...)."""
+    models = [model] if draft_model is None else [model, draft_model]
+    counts = np.zeros((vocab, vocab), dtype=np.int64)
+    for i in range(samples):
+        steps = speculative_generate_step(
+            mx.array(prompt),
+            model,
+            draft_model,
+            max_tokens=2,
+            prompt_cache=[c for m in models for c in make_cache(m)],
+            key=mx.random.key(i),
+            **kwargs,
+        )
+        t1, t2 = (token for token, _, _ in steps)
+        counts[t1, t2] += 1
+    return counts
+
+
+def chi_square_p(counts: np.ndarray, expected_probs: np.ndarray) -> float:
+    """Pearson chi-square p-value; cells expecting fewer than 5 draws are pooled into one."""
+    total = counts.sum()
+    expected = expected_probs.ravel() * total
+    observed = counts.ravel()
+    assert observed[expected == 0].sum() == 0, "a token of probability 0 was emitted"
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    return float(
+        scipy_stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
+    )

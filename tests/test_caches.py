@@ -1,0 +1,346 @@
+"""Speculation on every cache class mlx-lm builds, against mlx-lm's plain decoding.
+
+Each case is a real mlx-lm model class with tiny random weights and the caches its
+``make_prompt_cache`` gives it (or mlx-lm's ``max_kv_size`` / ``kv_bits`` options):
+
+- ``qwen3_next`` and ``lfm2``: hybrids, whose recurrent layers (``ArraysCache``) are restored
+  from a checkpoint and replayed after a rejected draft; their drafts are hybrids too;
+- ``gemma3``: sliding windows of 8 tokens (``RotatingKVCache``), wrapped dozens of times;
+- ``max_kv_size``: the demo pair with the rotating caches of mlx-lm's ``--max-kv-size`` (they keep
+  the first 4 tokens);
+- ``kv_bits``: the demo pair with caches quantized to 4 bits from the 40th token.
+
+For each: greedy output equal to plain ``mlx_lm.generate.generate_step`` with the same caches;
+the exact distribution of the first two tokens at temperature 1 (with negative controls that
+break the rollback); memory flat over 2,000 tokens; caches that hold exactly the prompt and the
+tokens yielded afterwards, also after an error in the first round.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from first_tokens import THRESHOLD, chi_square_p, exact_joint, sampled_pairs
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+from tiny_models import cut, tiny_gemma3, tiny_lfm2, tiny_llama, tiny_qwen3_next
+
+import mlx_spec
+from mlx_spec import caches
+from mlx_spec.generation import SpeculativeStats, speculative_generate_step
+from mlx_spec.sampling import make_sampler
+
+DEMO = Path(mlx_spec.__file__).parent / "demo"
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+
+
+@functools.cache
+def demo_pair():
+    return load(str(DEMO / "target"))[0], load(str(DEMO / "draft"))[0]
+
+
+def _tiny(builder: Callable[..., object]) -> dict:
+    model = builder(0)
+    return {"model": model, "draft": cut(model, 2), "options": {}, "cache": make_prompt_cache}
+
+
+def rotating(size: int) -> Callable[[object], list[RotatingKVCache]]:
+    """The caches of mlx-lm's ``max_kv_size`` (for models without their own ``make_cache``):
+    rotating, keeping the first 4 tokens."""
+    return lambda model: [RotatingKVCache(max_size=size, keep=4) for _ in model.layers]
+
+
+def _max_kv_size() -> dict:
+    model, draft = demo_pair()
+    return {"model": model, "draft": draft, "options": {}, "cache": rotating(24)}
+
+
+def _kv_bits() -> dict:
+    model, draft = demo_pair()
+    options = {"kv_bits": 4, "kv_group_size": 64, "quantized_kv_start": 40}
+    return {"model": model, "draft": draft, "options": options, "cache": make_prompt_cache}
+
+
+CASES = {
+    "qwen3_next": lambda: _tiny(tiny_qwen3_next),
+    "lfm2": lambda: _tiny(tiny_lfm2),
+    "gemma3": lambda: _tiny(tiny_gemma3),
+    "max_kv_size": _max_kv_size,
+    "kv_bits": _kv_bits,
+}
+
+
+@functools.cache
+def case(name: str) -> dict:
+    return CASES[name]()
+
+
+@functools.cache
+def plain(name: str, tokens: int = 300) -> list[int]:
+    """mlx-lm's plain greedy decoding with the case's caches."""
+    c = case(name)
+    cache = c["cache"](c["model"])
+    steps = generate_step(
+        mx.array(PROMPT), c["model"], max_tokens=tokens, prompt_cache=cache, **c["options"]
+    )
+    return [t for t, _ in steps]
+
+
+def speculate(name: str, drafter: str, n: int, tokens: int = 300, **kwargs):
+    c = case(name)
+    cache = c["cache"](c["model"])
+    if drafter == "model":
+        cache = cache + c["cache"](c["draft"])
+        kwargs["draft_model"] = c["draft"]
+    else:
+        kwargs["drafter"] = "prompt-lookup"
+    stats = SpeculativeStats()
+    steps = speculative_generate_step(
+        mx.array(PROMPT),
+        c["model"],
+        num_draft_tokens=n,
+        max_tokens=tokens,
+        prompt_cache=cache,
+        stats=stats,
+        **c["options"],
+        **kwargs,
+    )
+    return [t for t, _, _ in steps], stats, cache
+
+
+def test_reference_texts_are_varied() -> None:
+    # Guards the equality tests: a model stuck on a few tokens would make them vacuous.
+    for name in CASES:
+        assert len(set(plain(name)[100:])) > 20, name
+
+
+def test_the_cases_build_the_caches_they_test() -> None:
+    kinds = {}
+    for name in CASES:
+        kinds[name] = {type(c).__name__ for c in case(name)["cache"](case(name)["model"])}
+    assert kinds["qwen3_next"] == kinds["lfm2"] == {"ArraysCache", "KVCache"}
+    assert kinds["gemma3"] == {"RotatingKVCache", "KVCache"}
+    assert kinds["max_kv_size"] == {"RotatingKVCache"}
+    assert {c.keep for c in case("max_kv_size")["cache"](case("max_kv_size")["model"])} == {4}
+
+
+def greedy_equals_plain(name: str, drafter: str, n: int) -> None:
+    tokens, stats, cache = speculate(name, drafter, n)
+    assert tokens == plain(name)
+    if name == "kv_bits":
+        assert {type(c).__name__ for c in cache} == {"QuantizedKVCache"}
+    # The rollback was exercised: drafts were rejected, and a hybrid replayed them.
+    assert 0 < stats.accepted < stats.drafted
+    if name in ("qwen3_next", "lfm2"):
+        assert stats.replayed > 0
+    else:
+        assert stats.replayed == 0
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_greedy_equals_plain_decoding(name: str) -> None:
+    greedy_equals_plain(name, "model", 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("drafter", "n"), [("model", 1), ("model", 8), ("lookup", 1), ("lookup", 3), ("lookup", 8)]
+)
+@pytest.mark.parametrize("name", list(CASES))
+def test_greedy_equals_plain_decoding_at_other_lengths(name: str, drafter: str, n: int) -> None:
+    greedy_equals_plain(name, drafter, n)
+
+
+def test_gemma3_window_wraps_many_times() -> None:
+    # 300 tokens through windows of 8: the rotating buffers wrapped dozens of times, and mlx-lm's
+    # own trim (the bug this replaces) would leave plain decoding's text.
+    model = case("gemma3")["model"]
+    windows = {c.max_size for c in make_prompt_cache(model) if isinstance(c, RotatingKVCache)}
+    assert windows == {8}
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "gemma3", "max_kv_size"])
+def test_caches_hold_prompt_and_yielded_tokens_for_reuse(name: str) -> None:
+    # Stop after 37 tokens (mid-round), then continue from the same caches: the continuation is
+    # plain decoding's, so the caches held exactly the prompt and the 37 tokens.
+    c = case(name)
+    cache = c["cache"](c["model"]) + c["cache"](c["draft"])
+    steps = speculative_generate_step(
+        mx.array(PROMPT),
+        c["model"],
+        c["draft"],
+        num_draft_tokens=4,
+        max_tokens=300,
+        prompt_cache=cache,
+        **c["options"],
+    )
+    first = [t for t, _, _ in itertools.islice(steps, 37)]
+    steps.close()
+    reference = plain(name)
+    assert first == reference[:37]
+    more = speculative_generate_step(
+        mx.array([reference[37]]),
+        c["model"],
+        c["draft"],
+        num_draft_tokens=4,
+        max_tokens=20,
+        prompt_cache=cache,
+        **c["options"],
+    )
+    assert [t for t, _, _ in more] == reference[38:58]
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "gemma3"])
+def test_error_in_first_round_leaves_the_prompt_in_the_caches(name: str) -> None:
+    c = case(name)
+    cache = c["cache"](c["model"]) + c["cache"](c["draft"])
+
+    def failing(tokens: mx.array, logits: mx.array) -> mx.array:
+        raise RuntimeError("processor failed")
+
+    steps = speculative_generate_step(
+        mx.array(PROMPT),
+        c["model"],
+        c["draft"],
+        num_draft_tokens=3,
+        prompt_cache=cache,
+        logits_processors=[failing],
+    )
+    with pytest.raises(RuntimeError, match="processor failed"):
+        next(steps)
+    reference = plain(name)
+    more = speculative_generate_step(
+        mx.array([reference[0]]), c["model"], c["draft"], max_tokens=10, prompt_cache=cache
+    )
+    assert [t for t, _, _ in more] == reference[1:11]
+
+
+# --- the distribution of the first two tokens --------------------------------------------------
+
+SMALL_VOCAB = 24
+# Each negative control breaks the rollback as mlx-lm's trim or a missing restore would; it must
+# give p < THRESHOLD at the same sample size.
+SAMPLES = 1500
+
+
+def _small(name: str):
+    """The case's model class with 24 tokens, a draft and the caches to give both. Hybrids get an
+    unrelated draft (another seed), so that nearly every sample goes through a restore and a
+    replay; the others their first layers."""
+    if name == "qwen3_next":
+        model, draft = (tiny_qwen3_next(s, vocab=SMALL_VOCAB, head=3.0) for s in (3, 9))
+    elif name == "lfm2":
+        model, draft = (tiny_lfm2(s, vocab=SMALL_VOCAB, head=3.0) for s in (3, 9))
+    elif name == "gemma3":
+        model = tiny_gemma3(3, vocab=SMALL_VOCAB, window=4, head=3.0)
+        draft = cut(model, 2)
+    else:
+        # Two heads of 32 dimensions: cache quantization groups 32 values.
+        model = tiny_llama(3, vocab=SMALL_VOCAB, head=4.0, heads=2)
+        draft = cut(model, 1)
+    if name == "max_kv_size":
+        return model, draft, rotating(6), {}
+    if name == "kv_bits":
+        options = {"kv_bits": 4, "kv_group_size": 32, "quantized_kv_start": 8}
+        return model, draft, make_prompt_cache, options
+    return model, draft, make_prompt_cache, {}
+
+
+def joint(model, make_cache, options):
+    return exact_joint(model, PROMPT, SMALL_VOCAB, make_cache=make_cache, options=options)
+
+
+def draws(model, draft, make_cache, options):
+    return sampled_pairs(
+        model,
+        PROMPT,
+        SMALL_VOCAB,
+        SAMPLES,
+        make_cache,
+        draft,
+        sampler=make_sampler(temp=1.0),
+        num_draft_tokens=2,
+        **options,
+    )
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("name", list(CASES))
+def test_first_two_tokens_have_the_target_distribution(name: str) -> None:
+    model, draft, make_cache, options = _small(name)
+    expected = joint(model, make_cache, options)
+    counts = draws(model, draft, make_cache, options)
+    assert chi_square_p(counts, expected) > THRESHOLD
+
+
+@pytest.mark.statistical
+def test_negative_control_recurrent_state_not_restored_fails(monkeypatch) -> None:
+    # Restoring only the length, not the recurrent state: the second token then follows the
+    # rejected draft token too.
+    model, draft, make_cache, options = _small("qwen3_next")
+    expected = joint(model, make_cache, options)
+    original = caches._restore
+
+    def length_only(layer, snapshot, n):
+        if caches._kind(layer) == "append":
+            original(layer, snapshot, n)
+
+    monkeypatch.setattr(caches, "_restore", length_only)
+    counts = draws(model, draft, make_cache, options)
+    assert chi_square_p(counts, expected) < THRESHOLD
+
+
+@pytest.mark.statistical
+def test_negative_control_mlx_lm_rotating_trim_fails(monkeypatch) -> None:
+    # mlx-lm's own trim of a wrapped window keeps the rejected entries in the buffer.
+    model, draft, make_cache, options = _small("gemma3")
+    expected = joint(model, make_cache, options)
+    original = caches._trim
+
+    def mlx_lm_trim(layer, n):
+        if caches._kind(layer) == "rotating":
+            layer.trim(n)
+        else:
+            original(layer, n)
+
+    monkeypatch.setattr(caches, "_trim", mlx_lm_trim)
+    monkeypatch.setattr(caches, "_trimmable", lambda layer, n: caches._kind(layer) != "recurrent")
+    counts = draws(model, draft, make_cache, options)
+    assert chi_square_p(counts, expected) < THRESHOLD
+
+
+# --- memory ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_memory_flat_over_2000_tokens(name: str) -> None:
+    c = case(name)
+    cache = c["cache"](c["model"]) + c["cache"](c["draft"])
+    steps = speculative_generate_step(
+        mx.array(PROMPT),
+        c["model"],
+        c["draft"],
+        sampler=make_sampler(temp=1.0),
+        key=mx.random.key(0),
+        num_draft_tokens=4,
+        max_tokens=2000,
+        prompt_cache=cache,
+        **c["options"],
+    )
+    samples = []
+    for i, _ in enumerate(steps):
+        if i % 250 == 249:
+            mx.eval([c.state for c in cache])
+            mx.synchronize()
+            # Active memory beyond the caches, which may grow by design (not the rotating ones).
+            samples.append(mx.get_active_memory() - sum(c.nbytes for c in cache))
+    assert len(samples) == 8
+    early, late = min(samples[1:4]), min(samples[-3:])
+    assert late - early < 512 * 1024, samples

@@ -1,0 +1,452 @@
+"""Drafters: prompt lookup (its index, its proposals, lossless generation at any temperature),
+the model drafter through the same interface, and the choice of the draft length."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from first_tokens import THRESHOLD, chi_square_p, exact_joint, sampled_pairs
+from helpers import PROMPT, run
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from tiny_models import tiny_llama
+
+import mlx_spec
+import mlx_spec.generation as spec_generation
+from mlx_spec import drafters, rules
+from mlx_spec.acceptance import accept_sampled
+from mlx_spec.draft_length import DraftLength
+from mlx_spec.drafters import Draft, Drafter, DraftSetup, PromptLookupDrafter, Text
+from mlx_spec.generation import SpeculativeStats, speculative_generate_step
+from mlx_spec.patch import patch_mlx_lm, unpatch_mlx_lm
+from mlx_spec.rules import Rule
+from mlx_spec.sampling import make_sampler
+
+lm_generate = importlib.import_module("mlx_lm.generate")
+
+
+def lookup(ids: list[int], n: int, **options) -> list[int]:
+    """What a fresh lookup drafter proposes after ``ids``."""
+    drafter = PromptLookupDrafter(**options)
+    text = Text(mx.array(ids, dtype=mx.uint32), list(ids))
+    drafter.start(text, DraftSetup(Rule("greedy")))
+    return drafter.propose(text, n, None).tokens.tolist()
+
+
+# --- the lookup index and its proposals ----------------------------------------------------------
+
+
+def test_lookup_proposes_what_followed_the_latest_match() -> None:
+    # (7, 8) occurs twice before the end; the latest occurrence was followed by 5, 6.
+    assert lookup([7, 8, 1, 2, 9, 7, 8, 5, 6, 0, 7, 8], 2) == [5, 6]
+
+
+def test_lookup_prefers_the_longest_ngram() -> None:
+    # The 3-gram (1, 7, 8) matches the first occurrence; the 2-gram alone would match the second.
+    ids = [1, 7, 8, 4, 4, 2, 7, 8, 5, 5, 1, 7, 8]
+    assert lookup(ids, 2, max_ngram=3) == [4, 4]
+    assert lookup(ids, 2, max_ngram=2) == [5, 5]
+
+
+def test_lookup_falls_back_to_shorter_ngrams_down_to_min() -> None:
+    ids = [3, 9, 4, 5, 6, 9]
+    assert lookup(ids, 3, max_ngram=3, min_ngram=1) == [4, 5, 6]
+    assert lookup(ids, 3, max_ngram=3, min_ngram=2) == []
+
+
+def test_lookup_never_proposes_past_the_end_of_the_text() -> None:
+    assert lookup([5, 6, 7, 5], 8, max_ngram=1) == [6, 7, 5]
+
+
+def test_lookup_proposes_nothing_for_zero_tokens_or_no_match() -> None:
+    assert lookup([1, 2, 3], 0) == []
+    assert lookup([1, 2, 3], 4) == []
+
+
+def test_lookup_index_grows_with_the_tokens_added() -> None:
+    drafter = PromptLookupDrafter(max_ngram=3, min_ngram=1)
+    prompt = np.random.default_rng(0).integers(0, 50_000, size=100_000).tolist()
+    text = Text(mx.array(prompt[:8], dtype=mx.uint32), prompt[:8])
+    drafter.start(text, DraftSetup(Rule("greedy")))
+    text.extend(prompt[8:])
+    drafter.update(text, 0)
+    writes = []
+
+    class Counting(dict):
+        def __setitem__(self, key, value):
+            writes.append(key)
+            super().__setitem__(key, value)
+
+    index = drafter._index
+    index.last = Counting(index.last)
+    text.extend([11, 12, 13, 14])
+    drafter.update(text, 0)
+    # Four tokens, three n-gram sizes each: twelve writes, whatever the text's length.
+    assert len(writes) == 12
+    assert len(index.ids) == 100_004
+    # A proposal tries each n-gram size at most once.
+    looked = []
+
+    class Looking(dict):
+        def __contains__(self, key):
+            looked.append(key)
+            return super().__contains__(key)
+
+    index.last = Looking(index.last)
+    drafter.propose(text, 8, None)
+    assert 1 <= len(looked) <= 3
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"max_ngram": 0}, "`max_ngram`"),
+        ({"min_ngram": -1}, "`min_ngram`"),
+        ({"max_ngram": 2.0}, "`max_ngram`"),
+        ({"max_ngram": True}, "`max_ngram`"),
+        ({"max_ngram": 2, "min_ngram": 3}, "`min_ngram`"),
+        ({"distribution": "yes"}, "`distribution`"),
+    ],
+)
+def test_lookup_arguments_are_checked(options, match) -> None:
+    with pytest.raises(ValueError, match=rf"PromptLookupDrafter: {match}"):
+        PromptLookupDrafter(**options)
+
+
+def test_distribution_mode_draws_from_the_continuation_frequencies() -> None:
+    # (1, 2) was followed by 3 twice and 5 once: q = {3: 2/3, 5: 1/3}.
+    ids = [1, 2, 3, 1, 2, 5, 1, 2, 3, 9, 1, 2]
+    drafter = PromptLookupDrafter(max_ngram=2, min_ngram=2, distribution=True)
+    text = Text(mx.array(ids, dtype=mx.uint32), ids)
+    drafter.start(text, DraftSetup(Rule("sampled", make_sampler(temp=1.0)), seed=5))
+    firsts = []
+    for _ in range(600):
+        draft = drafter.propose(text, 1, None)
+        q = np.array(draft.probs)[0]
+        np.testing.assert_allclose(q[[3, 5]], [2 / 3, 1 / 3], rtol=1e-6)
+        assert q.sum() == pytest.approx(1.0) and np.count_nonzero(q) == 2
+        firsts.append(draft.tokens.item())
+    share = firsts.count(3) / len(firsts)
+    # 600 draws of a 2/3 coin: 5 standard deviations is 0.096.
+    assert abs(share - 2 / 3) < 0.096 and set(firsts) == {3, 5}
+
+
+# --- lossless at temperature 0 -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo():
+    folder = Path(mlx_spec.__file__).parent / "demo"
+    model, tokenizer = load(str(folder / "target"))
+    return model, tokenizer
+
+
+def test_lookup_greedy_equals_plain_on_the_demo_target_copying_code(demo) -> None:
+    # Input-grounded: the prompt holds code that the output repeats, so lookups keep matching.
+    model, tokenizer = demo
+    code = "def read_file(path):\n    with open(path) as f:\n        return f.read()\n\n"
+    prompt = mx.array(tokenizer.encode(code * 3 + "def read_file(path):\n"))
+    plain = [t for t, _ in generate_step(prompt, model, max_tokens=300)]
+    for n in (1, 3, 8):
+        stats = SpeculativeStats()
+        steps = speculative_generate_step(
+            prompt, model, drafter="prompt-lookup", num_draft_tokens=n, max_tokens=300, stats=stats
+        )
+        assert [t for t, _, _ in steps] == plain
+        assert stats.tokens_per_round > 1.3
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_lookup_greedy_equals_plain_on_a_tiny_model(target, greedy_reference, n) -> None:
+    tokens, _, stats = run(PROMPT, target, None, drafter="prompt-lookup", num_draft_tokens=n)
+    assert tokens == greedy_reference[:256]
+    assert 0 < stats.drafted and stats.accepted < stats.drafted
+
+
+def test_lookup_that_never_matches_is_plain_decoding(target, greedy_reference) -> None:
+    never = PromptLookupDrafter(max_ngram=12, min_ngram=12)
+    tokens, _, stats = run(PROMPT, target, None, drafter=never, max_tokens=300)
+    assert tokens == greedy_reference
+    assert stats.drafted == 0 and stats.rounds == 300
+
+
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "model"])
+def test_adaptive_length_stays_lossless(target, drafts, greedy_reference, drafter) -> None:
+    kwargs = {"drafter": drafter} if drafter != "model" else {}
+    draft = drafts["truncated"] if drafter == "model" else None
+    tokens, _, stats = run(
+        PROMPT, target, draft, num_draft_tokens=8, adaptive=True, max_tokens=300, **kwargs
+    )
+    assert tokens == greedy_reference
+    assert stats.rounds < 300 or drafter == "prompt-lookup"
+
+
+# --- lossless when sampling ----------------------------------------------------------------------
+
+SMALL_VOCAB = 24
+
+
+@pytest.fixture(scope="module")
+def small():
+    return tiny_llama(3, vocab=SMALL_VOCAB, head=4.0)
+
+
+@pytest.fixture(scope="module")
+def copied(small) -> list[int]:
+    """A prompt that repeats the model's own greedy text: each lookup proposes the token the
+    model favours there (a single continuation), so a wrong rule moves much probability."""
+    text = [1, 2, 3] + [t for t, _ in generate_step(mx.array([1, 2, 3]), small, max_tokens=12)]
+    return text + text[:6]
+
+
+@pytest.fixture(scope="module")
+def branching(small, copied) -> list[int]:
+    """``copied`` with the last token also followed once by the model's other favourite there:
+    a 1-gram lookup then draws from two continuations the model finds likely."""
+    text = copied[:-6]
+    logprobs = next(generate_step(mx.array(copied), small, max_tokens=1))[1]
+    ranked = [int(t) for t in np.argsort(-np.array(logprobs))]
+    other = next(t for t in ranked if t != text[6])
+    return [*text, text[5], other, *text[:6]]
+
+
+def lookup_pairs(model, prompt, drafter, samples: int, sampler=None) -> np.ndarray:
+    return sampled_pairs(
+        model,
+        prompt,
+        SMALL_VOCAB,
+        samples,
+        sampler=sampler or make_sampler(temp=1.0),
+        drafter=drafter,
+        num_draft_tokens=2,
+    )
+
+
+def without_residual(probs, tokens, draft_probs, eos, key, **options):
+    """A classic bug: after a rejection, ``next`` drawn from p instead of the residual."""
+    result = accept_sampled(probs, tokens, draft_probs, eos, key, **options)
+    row = mx.take(probs, result[0], axis=0)
+    token = mx.random.categorical(mx.log(row), key=mx.random.split(key)[1])
+    return mx.stack([result[0], token.astype(mx.uint32), result[2]])
+
+
+def test_lookup_single_guess_has_the_target_distribution(small, copied) -> None:
+    expected = exact_joint(small, copied, SMALL_VOCAB)
+    counts = lookup_pairs(small, copied, PromptLookupDrafter(max_ngram=2), 1000)
+    assert chi_square_p(counts, expected) > THRESHOLD
+
+
+def test_negative_control_single_guess_without_residual_fails(small, copied, monkeypatch):
+    monkeypatch.setattr(rules, "accept_sampled", without_residual)
+    expected = exact_joint(small, copied, SMALL_VOCAB)
+    counts = lookup_pairs(small, copied, PromptLookupDrafter(max_ngram=2), 1000)
+    assert chi_square_p(counts, expected) < THRESHOLD
+
+
+@pytest.mark.statistical
+def test_lookup_distribution_has_the_target_distribution(small, branching) -> None:
+    drafter = PromptLookupDrafter(max_ngram=1, distribution=True)
+    expected = exact_joint(small, branching, SMALL_VOCAB)
+    counts = lookup_pairs(small, branching, drafter, 1500)
+    assert chi_square_p(counts, expected) > THRESHOLD
+
+
+@pytest.mark.statistical
+def test_negative_control_distribution_without_residual_fails(small, branching, monkeypatch):
+    monkeypatch.setattr(rules, "accept_sampled", without_residual)
+    drafter = PromptLookupDrafter(max_ngram=1, distribution=True)
+    expected = exact_joint(small, branching, SMALL_VOCAB)
+    counts = lookup_pairs(small, branching, drafter, 1500)
+    assert chi_square_p(counts, expected) < THRESHOLD
+
+
+def test_lookup_distribution_mode_proposes_real_distributions(branching) -> None:
+    # Guards the two tests above: the first draft is drawn from two continuations.
+    drafter = PromptLookupDrafter(max_ngram=1, distribution=True)
+    text = Text(mx.array(branching, dtype=mx.uint32), branching)
+    drafter.start(text, DraftSetup(Rule("sampled", make_sampler(temp=1.0)), seed=0))
+    supports = [int((np.array(drafter.propose(text, 1, None).probs) > 0).sum()) for _ in range(20)]
+    assert max(supports) > 1
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("distribution", [False, True])
+@pytest.mark.parametrize(
+    ("temp", "filters"),
+    [(1.0, {"top_p": 0.8}), (1.0, {"top_k": 5}), (1.0, {"min_p": 0.1}), (0.7, {})],
+)
+def test_lookup_first_two_tokens_with_filters(
+    small, copied, branching, temp, filters, distribution
+) -> None:
+    prompt = branching if distribution else copied
+    drafter = PromptLookupDrafter(max_ngram=1 if distribution else 2, distribution=distribution)
+    expected = exact_joint(small, prompt, SMALL_VOCAB, temp, **filters)
+    sampler = make_sampler(temp=temp, **filters)
+    counts = lookup_pairs(small, prompt, drafter, 2000, sampler)
+    assert chi_square_p(counts, expected) > THRESHOLD
+
+
+def test_lookup_sampled_with_the_same_key_repeats(target) -> None:
+    sampler = make_sampler(temp=1.0)
+    for distribution in (False, True):
+        drafter = PromptLookupDrafter(distribution=distribution)
+        a, _, _ = run(PROMPT, target, None, drafter=drafter, sampler=sampler, key=mx.random.key(3))
+        b, _, _ = run(PROMPT, target, None, drafter=drafter, sampler=sampler, key=mx.random.key(3))
+        c, _, _ = run(PROMPT, target, None, drafter=drafter, sampler=sampler, key=mx.random.key(4))
+        assert a == b != c
+
+
+# --- the API -------------------------------------------------------------------------------------
+
+
+class Fixed(Drafter):
+    """Always proposes ``tokens`` (cut to ``n``): a drafter of the user's own."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.kept: list[int] = []
+
+    def propose(self, text, n, key) -> Draft:
+        return Draft(mx.array(self.tokens[:n], dtype=mx.uint32))
+
+    def update(self, text, accepted) -> None:
+        self.kept.append(accepted)
+
+
+def test_a_drafter_of_ones_own_is_told_what_was_kept(target, greedy_reference) -> None:
+    fixed = Fixed(greedy_reference[:3])
+    tokens, _, stats = run(PROMPT, target, None, drafter=fixed, num_draft_tokens=3, max_tokens=20)
+    assert tokens == greedy_reference[:20]
+    # Round 1 keeps the three tokens; later rounds propose the same ones, which are wrong.
+    assert fixed.kept[0] == 3 and stats.accepted == sum(fixed.kept)
+
+
+def test_draft_ids_outside_the_target_vocabulary_are_rejected_not_fed(target, greedy_reference):
+    # A draft id the target cannot embed (a larger draft vocabulary) is never fed to the target.
+    huge = Fixed([greedy_reference[0], 10**6, 255])
+    tokens, _, _ = run(PROMPT, target, None, drafter=huge, num_draft_tokens=3, max_tokens=8)
+    assert tokens == greedy_reference[:8]
+    assert huge.kept[0] == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({}, "needs a `draft_model`, or a `drafter`"),
+        ({"draft": "model", "drafter": "prompt-lookup"}, "not both"),
+        ({"drafter": "lookup"}, "`drafter` must be 'prompt-lookup'"),
+        ({"drafter": "prompt-lookup", "cache": 3}, "`prompt_cache` must hold the target's 2"),
+        ({"draft": "model", "cache": 4}, "followed by the draft model's 1"),
+        ({"drafter": "prompt-lookup", "adaptive": 1}, "`adaptive` must be a bool"),
+        ({"drafter": "prompt-lookup", "num_draft_tokens": 129}, "`num_draft_tokens`"),
+    ],
+)
+def test_drafter_arguments_are_checked(target, drafts, kwargs, match) -> None:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    draft = drafts["truncated"] if kwargs.pop("draft", None) else None
+    if "cache" in kwargs:
+        kwargs["prompt_cache"] = [
+            c for _ in range(kwargs.pop("cache")) for c in make_prompt_cache(drafts["truncated"])
+        ]
+    with pytest.raises(ValueError, match=rf"speculative_generate_step: .*{match}"):
+        speculative_generate_step(mx.array(PROMPT), target, draft, **kwargs)
+
+
+def test_patch_with_prompt_lookup_speculates_without_a_draft_model(target, monkeypatch) -> None:
+    from helpers import ByteTokenizer
+
+    plain = lm_generate.generate(target, ByteTokenizer(), PROMPT, max_tokens=60)
+    seen = []
+    original = spec_generation._Generation.round
+
+    def counted(self, remaining):
+        seen.append(type(self.drafter).__name__)
+        return original(self, remaining)
+
+    monkeypatch.setattr(spec_generation._Generation, "round", counted)
+    patch_mlx_lm(prompt_lookup=True)
+    try:
+        import mlx_lm
+
+        text = mlx_lm.generate(target, ByteTokenizer(), PROMPT, max_tokens=60)
+    finally:
+        unpatch_mlx_lm()
+    assert text == plain
+    assert seen and set(seen) == {"PromptLookupDrafter"}
+    # Unpatched again: mlx-lm's own loop.
+    seen.clear()
+    lm_generate.generate(target, ByteTokenizer(), PROMPT, max_tokens=10)
+    assert not seen
+
+
+# --- the draft length ----------------------------------------------------------------------------
+
+
+def feed(lengths: DraftLength, rounds: int, acceptance: float, cost, pending: int = 1) -> list[int]:
+    """Runs ``rounds`` simulated rounds: each draft token kept while a fixed stream of uniforms
+    stays under ``acceptance``; each round costing ``cost(fed, steps)`` seconds."""
+    uniforms = iter(np.random.default_rng(0).random(rounds * 200))
+    chosen = []
+    for _ in range(rounds):
+        n = lengths.choose(pending, 64)
+        chosen.append(n)
+        accepted = 0
+        while accepted < n and next(uniforms) < acceptance:
+            accepted += 1
+        lengths.record(n, accepted, pending + n, n, cost(pending + n, n))
+    return chosen
+
+
+def test_fixed_length_always_drafts_the_most() -> None:
+    assert feed(DraftLength(5, adaptive=False), 20, 0.1, lambda fed, steps: 1.0) == [5] * 20
+
+
+def test_adaptive_length_drafts_long_when_verification_is_flat() -> None:
+    # A GPU-like cost (scoring more positions is nearly free) and well-kept drafts: long drafts.
+    chosen = feed(DraftLength(8, adaptive=True), 120, 0.9, lambda fed, steps: 1.0 + 0.01 * fed)
+    assert np.median(chosen[-60:]) >= 7
+
+
+def test_adaptive_length_stops_drafting_when_drafts_are_not_kept() -> None:
+    # A CPU-like cost (each scored position costs a third of a step) and drafts never kept.
+    chosen = feed(DraftLength(8, adaptive=True), 120, 0.0, lambda fed, steps: 1.0 + 0.35 * fed)
+    assert np.median(chosen[-60:]) == 0
+    # Exploration still tries a token now and then, so a change would be noticed.
+    assert 0 < sum(chosen[-60:]) <= 60 // 6 + 1
+
+
+def test_adaptive_length_is_moderate_when_positions_cost() -> None:
+    # CPU-like cost and drafts kept 80% of the time: the best N is small but not zero
+    # (E(N) / (1 + 0.35 (N + 1)) peaks at N = 2 or 3).
+    chosen = feed(DraftLength(8, adaptive=True), 200, 0.8, lambda fed, steps: 1.0 + 0.35 * fed)
+    assert 2 <= np.median(chosen[-100:]) <= 4
+
+
+def test_fixed_length_flushes_replays_that_grew() -> None:
+    lengths = DraftLength(3, adaptive=False)
+    assert lengths.choose(pending=4, cap=64, replays=True) == 3
+    assert lengths.choose(pending=5, cap=64, replays=True) == 0
+    assert lengths.choose(pending=5, cap=64, replays=False) == 3
+
+
+def test_a_long_first_round_counts_at_most_three_predictions() -> None:
+    lengths = DraftLength(4, adaptive=True)
+    feed(lengths, 30, 0.7, lambda fed, steps: 1.0 + 0.1 * fed)
+    before = lengths._cost(5, 4)
+    lengths.record(4, 2, 5, 4, 1000.0)
+    assert lengths._cost(5, 4) < 2 * before
+
+
+def test_text_views_agree() -> None:
+    text = Text(mx.array([4, 5, 6], dtype=mx.uint32), [4, 5, 6])
+    text.extend([7, 8])
+    assert len(text) == 5
+    assert text.ids(1) == [5, 6, 7, 8] and text.ids(3, 4) == [7]
+    assert text.tokens(2).tolist() == [6, 7, 8] and text.tokens(0, 2).tolist() == [4, 5]
+    assert text.array().tolist() == [4, 5, 6, 7, 8]
+    assert drafters.__all__

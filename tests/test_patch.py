@@ -1,0 +1,207 @@
+"""mlx-lm's entry points through mlx-spec: ``stream_generate``, ``generate`` and ``patch_mlx_lm``
+(mlx-lm's own functions, command and samplers)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import mlx.core as mx
+import pytest
+from helpers import PROMPT, ByteTokenizer, run
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_spec.generation as spec_generation
+from mlx_spec.generation import (
+    SpeculativeResponse,
+    SpeculativeStats,
+    speculative_generate_step,
+    stream_generate,
+)
+from mlx_spec.patch import patch_mlx_lm, unpatch_mlx_lm
+
+lm_generate = importlib.import_module("mlx_lm.generate")
+lm_sample_utils = importlib.import_module("mlx_lm.sample_utils")
+
+
+def offsets(cache) -> set[int]:
+    return {c.offset for c in cache}
+
+
+def test_stream_generate_matches_mlx_lm_plain(target, drafts) -> None:
+    tokenizer = ByteTokenizer()
+    plain = list(lm_generate.stream_generate(target, tokenizer, PROMPT, max_tokens=50))
+    stats = SpeculativeStats()
+    ours = list(
+        stream_generate(
+            target, tokenizer, PROMPT, max_tokens=50, draft_model=drafts["truncated"], stats=stats
+        )
+    )
+    assert [r.token for r in ours] == [r.token for r in plain]
+    assert "".join(r.text for r in ours) == "".join(r.text for r in plain)
+    assert [r.finish_reason for r in ours] == [r.finish_reason for r in plain]
+    assert [r.generation_tokens for r in ours] == [r.generation_tokens for r in plain]
+    assert all(isinstance(r, SpeculativeResponse) for r in ours)
+    last = ours[-1].stats
+    assert last == stats and last.generated == 50 and last.rounds < 50
+    assert stats.rounds - 1 <= [r.from_draft for r in ours].count(False) <= stats.rounds
+
+
+def test_stream_generate_stops_at_tokenizer_eos(target, drafts, greedy_reference) -> None:
+    stop = greedy_reference[30]
+
+    class Tok(ByteTokenizer):
+        eos_token_id = stop
+
+    plain = list(lm_generate.stream_generate(target, Tok(), PROMPT, max_tokens=100))
+    cache = make_prompt_cache(target) + make_prompt_cache(drafts["self"])
+    ours = list(
+        stream_generate(
+            target,
+            Tok(),
+            PROMPT,
+            max_tokens=100,
+            draft_model=drafts["self"],
+            num_draft_tokens=8,
+            prompt_cache=cache,
+        )
+    )
+    assert ours[-1].finish_reason == plain[-1].finish_reason == "stop"
+    assert [r.token for r in ours] == [r.token for r in plain]
+    # The EOS token is in the caches, as the server's cache key expects.
+    assert offsets(cache) == {len(PROMPT) + greedy_reference.index(stop) + 1}
+
+
+def test_generate_returns_text_and_fills_stats(target, drafts) -> None:
+    tokenizer = ByteTokenizer()
+    plain = lm_generate.generate(target, tokenizer, PROMPT, max_tokens=40)
+    stats = SpeculativeStats()
+    text = spec_generation.generate(
+        target, tokenizer, PROMPT, max_tokens=40, draft_model=drafts["truncated"], stats=stats
+    )
+    assert text == plain and stats.generated == 40 and stats.rounds > 0
+
+
+@pytest.fixture
+def patched():
+    patch_mlx_lm()
+    yield
+    unpatch_mlx_lm()
+
+
+def test_patch_routes_mlx_lm_stream_generate_through_mlx_spec(patched, target) -> None:
+    import mlx_lm
+
+    sampler = lm_sample_utils.make_sampler(temp=1.0)  # made through the patched factory
+    mx.random.seed(4)
+    responses = list(
+        mlx_lm.stream_generate(
+            target,
+            ByteTokenizer(),
+            PROMPT,
+            max_tokens=41,
+            draft_model=target,
+            num_draft_tokens=4,
+            sampler=sampler,
+        )
+    )
+    # The target drafting for itself: rejection sampling keeps every draft token, so every round
+    # yields 5 tokens, 4 of them from the draft (mlx-lm's rule keeps a draft token with
+    # probability sum(p^2) only); the 41st token, alone in its round, is the target's.
+    flags = [r.from_draft for r in responses]
+    assert flags == ([True] * 4 + [False]) * 8 + [False]
+    mx.random.seed(4)
+    ours, _, _ = run(PROMPT, target, target, sampler=sampler, max_tokens=41, num_draft_tokens=4)
+    assert [r.token for r in responses] == ours
+
+
+def test_patch_keeps_plain_sampling_unchanged(target) -> None:
+    def sample(factory):
+        mx.random.seed(8)
+        return [
+            t
+            for t, _ in generate_step(
+                mx.array(PROMPT), target, max_tokens=30, sampler=factory(temp=0.9, top_p=0.9)
+            )
+        ]
+
+    before = sample(lm_sample_utils.make_sampler)
+    patch_mlx_lm()
+    try:
+        during = sample(lm_sample_utils.make_sampler)
+        assert callable(lm_sample_utils.make_sampler(temp=0.9).probs)
+    finally:
+        unpatch_mlx_lm()
+    assert during == before
+
+
+def mlx_lm_package():
+    import mlx_lm
+
+    return mlx_lm
+
+
+def test_patch_and_unpatch_are_idempotent_and_exact() -> None:
+    server = pytest.importorskip("mlx_lm.server")
+    originals = (
+        lm_generate.speculative_generate_step,
+        lm_sample_utils.make_sampler,
+        lm_generate.make_sampler,
+        server.make_sampler,
+        lm_generate.stream_generate,
+    )
+    patch_mlx_lm()
+    patch_mlx_lm()
+    assert lm_generate.speculative_generate_step is speculative_generate_step
+    for module in (lm_sample_utils, lm_generate, server):
+        assert module.make_sampler is not originals[1]
+        assert callable(module.make_sampler(temp=0.5).probs)
+    # stream_generate is replaced too, so that mlx-lm's own `max_kv_size` reaches the loop.
+    assert lm_generate.stream_generate is not originals[4]
+    assert mlx_lm_package().stream_generate is lm_generate.stream_generate
+    unpatch_mlx_lm()
+    unpatch_mlx_lm()
+    assert (
+        lm_generate.speculative_generate_step,
+        lm_sample_utils.make_sampler,
+        lm_generate.make_sampler,
+        server.make_sampler,
+        lm_generate.stream_generate,
+    ) == originals
+
+
+def test_patched_mlx_lm_command_accepts_by_rejection_sampling(
+    patched, target, monkeypatch, capsys
+) -> None:
+    # `mlx_lm.generate` (the command) with the target as its own draft at temperature 1: mlx-lm's
+    # main builds its sampler with the patched make_sampler, so mlx-spec rejection-samples, and
+    # with p == q every draft token is kept.
+    class Tok(ByteTokenizer):
+        vocab_size = 256
+
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    tokenizer = TokenizerWrapper(Tok())
+
+    def load(path, **kwargs):
+        return (target, tokenizer, {}) if kwargs.get("return_config") else (target, tokenizer)
+
+    rounds = []
+    original_round = spec_generation._Generation.round
+
+    def counted_round(self, remaining):
+        out = original_round(self, remaining)
+        rounds.append((self.rule.kind, self.lengths.most, out[1]))
+        return out
+
+    monkeypatch.setattr(lm_generate, "load", load)
+    monkeypatch.setattr(spec_generation._Generation, "round", counted_round)
+    argv = "mlx_lm.generate --model m --draft-model d --num-draft-tokens 4 --temp 1.0"
+    argv += " --max-tokens 21 --seed 0 --ignore-chat-template --prompt hello"
+    monkeypatch.setattr(sys, "argv", argv.split())
+    lm_generate.main()
+    assert capsys.readouterr().out
+    assert rounds and {mode for mode, _, _ in rounds} == {"sampled"}
+    # Every draft token kept, and no round drafts more than the tokens left after its own.
+    assert all(from_draft == min(n, 20 - 5 * i) for i, (_, n, from_draft) in enumerate(rounds))
