@@ -15,9 +15,10 @@ Nothing here reads the device: :func:`read` evaluates the result, one small host
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import cache
+from functools import cache, wraps
 
 import mlx.core as mx
 import numpy as np
@@ -48,6 +49,28 @@ def _on(stream: StreamOrDevice) -> Iterator[None]:
     else:
         with mx.stream(stream):
             yield
+
+
+def _compile_per_thread(fun: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    """``mx.compile(fun)``, compiled once in each thread that calls it.
+
+    MLX keeps a compile cache per thread. One that still holds entries when its thread ends is
+    freed by the thread's C++ exit handlers, which take the GIL: if the main thread is finalizing
+    the interpreter by then, the process aborts ("terminate called without an active
+    exception"). ``mlx_lm.server`` generates in such a thread. A compiled function erases its
+    entries when it is freed, so each thread's copy lives in a ``threading.local``, freed with
+    the thread's Python state before those handlers run.
+    """
+    local = threading.local()
+
+    @wraps(fun)
+    def compiled(*args: mx.array | None) -> mx.array:
+        here = getattr(local, "fun", None)
+        if here is None:
+            here = local.fun = mx.compile(fun)
+        return here(*args)
+
+    return compiled
 
 
 def _use_fused(op: str, fused: bool, stream: StreamOrDevice, vocab: int | None = None) -> bool:
@@ -179,7 +202,7 @@ def accept_greedy(
         return _greedy_graph(device_type(stream) == mx.DeviceType.cpu)(logits, draft, eos)
 
 
-@mx.compile
+@_compile_per_thread
 def _fused_greedy_graph(logits: mx.array, draft: mx.array, eos: mx.array) -> mx.array:
     """The two greedy launches, compiled: a call replays the graph traced for its shapes instead
     of building both launches again (on an H200, 5 to 12 us of host time per call against 9 to
@@ -189,7 +212,8 @@ def _fused_greedy_graph(logits: mx.array, draft: mx.array, eos: mx.array) -> mx.
 
 @cache
 def _greedy_graph(on_cpu: bool) -> Callable[..., mx.array]:
-    """The compiled greedy graph for one backend (compiled once, traced once per shape)."""
+    """The compiled greedy graph for one backend (compiled once per thread, traced once per
+    shape)."""
 
     def greedy(logits: mx.array, draft: mx.array, eos: mx.array | None) -> mx.array:
         # MLX's CPU backend reduces half precision about 2x slower than it casts and reduces
@@ -207,7 +231,7 @@ def _greedy_graph(on_cpu: bool) -> Callable[..., mx.array]:
         accepted, eos_in_draft = _accepted(ok, draft, eos)
         return _result(accepted, eos_in_draft, mx.take(candidates, accepted), eos)
 
-    return mx.compile(greedy)
+    return _compile_per_thread(greedy)
 
 
 def _block_count(v: int) -> int:
@@ -361,7 +385,7 @@ def accept_sampled(
         return _sampled_graph(probs, draft, q, eos, key)
 
 
-@mx.compile
+@_compile_per_thread
 def _fused_sampled_graph(
     probs: mx.array, draft: mx.array, q: mx.array | None, eos: mx.array | None, key: mx.array
 ) -> mx.array:
@@ -377,7 +401,7 @@ def _fused_sampled_graph(
     )
 
 
-@mx.compile
+@_compile_per_thread
 def _sampled_graph(
     probs: mx.array, draft: mx.array, q: mx.array | None, eos: mx.array | None, key: mx.array
 ) -> mx.array:
