@@ -16,7 +16,6 @@ Needs mlx-lm (``pip install "mlx-spec[lm]"``); the plots need matplotlib (``[ben
 from __future__ import annotations
 
 import datetime
-import importlib
 import json
 import os
 import platform
@@ -31,15 +30,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
 
 from . import fused
 from .acceptance import accept_greedy, accept_sampled, read
 from .generation import SpeculativeStats, speculative_generate_step
+from .patch import _LM_MAKE_SAMPLER, _LM_SPECULATIVE_STEP
 from .sampling import make_sampler
-
-# The module: the package exports a function under the same name.
-_lm_generate = importlib.import_module("mlx_lm.generate")
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 """Path: the shipped model pair, ``DEMO_DIR / "target"`` and ``DEMO_DIR / "draft"``."""
@@ -408,15 +404,18 @@ def run_mlx_lm(
     seed: int,
     max_tokens: int,
 ) -> Tally:
-    """mlx-lm's own speculative loop with mlx-lm's sampler, after ``mx.random.seed(seed)``."""
+    """mlx-lm's own speculative loop with mlx-lm's sampler, after ``mx.random.seed(seed)``; also
+    while :func:`mlx_spec.patch_mlx_lm` routes mlx-lm through mlx-spec."""
     mx.random.seed(seed)
-    steps = _lm_generate.speculative_generate_step(
+    # mlx-lm's loop and sampler factory as they were before any patch: looked up in mlx-lm now,
+    # or imported from it after a patch, they would be mlx-spec's.
+    steps = _LM_SPECULATIVE_STEP(
         prompt,
         target,
         draft,
         num_draft_tokens=num_draft_tokens,
         max_tokens=max_tokens,
-        sampler=mlx_lm_make_sampler(temp=temp),
+        sampler=_LM_MAKE_SAMPLER(temp=temp),
     )
     flags, seconds = _drain(steps)
     tally = mlx_lm_rounds(flags, num_draft_tokens, max_tokens)
@@ -430,7 +429,7 @@ def run_plain(
     """Plain decoding, ``mlx_lm.generate.generate_step``, after ``mx.random.seed(seed)``."""
     mx.random.seed(seed)
     steps = generate_step(
-        prompt, target, max_tokens=max_tokens, sampler=mlx_lm_make_sampler(temp=temp)
+        prompt, target, max_tokens=max_tokens, sampler=_LM_MAKE_SAMPLER(temp=temp)
     )
     flags, seconds = _drain(steps)
     return Tally(tokens=len(flags), rounds=len(flags), seconds=seconds)
