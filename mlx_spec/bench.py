@@ -32,21 +32,11 @@ import numpy as np
 from mlx_lm.generate import generate_step
 
 from . import fused
+from ._demo import DEMO_DIR, PROMPTS
 from .acceptance import accept_greedy, accept_sampled, read
 from .generation import SpeculativeStats, speculative_generate_step
 from .patch import _LM_MAKE_SAMPLER, _LM_SPECULATIVE_STEP
 from .sampling import make_sampler
-
-DEMO_DIR = Path(__file__).resolve().parent / "demo"
-"""Path: the shipped model pair, ``DEMO_DIR / "target"`` and ``DEMO_DIR / "draft"``."""
-
-PROMPTS = (
-    "def read_file(path):\n    with open(path) as f:\n",
-    "The with statement is used to wrap the execution of a block",
-    "class Queue:\n    def __init__(self, maxsize=0):\n",
-    "A module is a file containing Python definitions and statements.",
-)
-"""The prompts of the demo and the generation benchmark: code and prose, alternating."""
 
 VOCABS = (32000, 152064, 262144)
 DRAFTS = (1, 4, 8, 16)

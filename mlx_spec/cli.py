@@ -23,11 +23,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-DEMO_DIR = Path(__file__).resolve().parent / "demo"
-DEMO_PROMPTS = (
-    ("code", "def read_file(path):\n    with open(path) as f:\n"),
-    ("prose", "The with statement is used to wrap the execution of a block"),
-)
+from ._demo import DEMO_DIR, PROMPTS
+
+DEMO_PROMPTS = tuple(zip(("code", "prose"), PROMPTS[:2], strict=True))
 DEMO_TEMPS = (0.0, 0.8)
 
 
@@ -398,7 +396,7 @@ def _demo(args: argparse.Namespace) -> int:
     )
     bench.warm_up(target, draft, prompts[0][2])
     if args.num_draft_tokens is None:
-        calibration = [mx.array(tokenizer.encode(p)) for p in bench.PROMPTS[2:]]
+        calibration = [mx.array(tokenizer.encode(p)) for p in PROMPTS[2:]]
         n, speeds = bench.choose_num_draft_tokens(target, draft, calibration, DEMO_TEMPS)
         measured = ", ".join(f"N={k}: {v:.0f}" for k, v in speeds.items())
         print(
