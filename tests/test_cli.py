@@ -368,7 +368,7 @@ def test_demo_with_its_defaults_chooses_n_by_measurement():
 
 
 def test_marker_colours_runs_of_draft_tokens(monkeypatch):
-    from mlx_spec.cli import _Marker
+    from mlx_spec.cli.demo import _Marker
 
     for color, (left, right) in ((True, ("\x1b[32m", "\x1b[0m")), (False, ("[", "]"))):
         out = io.StringIO()

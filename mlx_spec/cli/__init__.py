@@ -1,0 +1,60 @@
+"""The ``mlx-spec`` command (also ``python -m mlx_spec``): a dispatcher to one module per command.
+
+- ``mlx-spec demo`` (:mod:`.demo`): the shipped model pair streams a few completions with the
+  accepted draft tokens marked, then a table compares plain decoding, mlx-lm's speculative
+  decoding and mlx-spec.
+- ``mlx-spec generate --model M --draft-model D --prompt P`` (:mod:`.generate`): any mlx-lm pair,
+  streamed, with the speculation's counts at the end.
+- ``mlx-spec bench [--out DIR] [--quick]`` (:mod:`.bench`): the acceptance and generation
+  benchmarks, written to ``results.json`` and two PNG plots.
+
+Each command module has its own parser (``setup_arg_parser``) and ``main``. Errors are one line on
+stderr saying what to do, with exit status 2. mlx-lm (and matplotlib for ``bench``) is imported
+only once the arguments are checked, so ``--help`` and bad options answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from ._common import Parser, run
+
+COMMANDS = {
+    "demo": "see speculative decoding on the shipped model pair (no download)",
+    "generate": "generate with any mlx-lm model pair",
+    "bench": "run the benchmarks: results.json, PNG plots and tables",
+}
+"""Each command's name (its module here) and its line in ``mlx-spec --help``."""
+
+
+def setup_arg_parser() -> Parser:
+    """The parser of the command's first word; each command parses the rest itself."""
+    parser = Parser(
+        prog="mlx-spec",
+        description="Lossless speculative decoding for MLX and mlx-lm.",
+        epilog="Run 'mlx-spec demo' first: it needs no download.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, line in COMMANDS.items():
+        commands.add_parser(name, help=line, add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the ``mlx-spec`` command.
+
+    Args:
+        argv (sequence of str, optional): the arguments. Default: ``sys.argv[1:]``.
+
+    Returns:
+        int: the exit status: 0, or 2 after a one-line error on stderr.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+
+    def dispatch(args: argparse.Namespace) -> int:
+        return importlib.import_module(f"{__name__}.{args.command}").main(argv[1:])
+
+    return run(setup_arg_parser(), dispatch, argv[:1])

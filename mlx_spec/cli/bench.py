@@ -1,0 +1,91 @@
+"""``mlx-spec bench``: the acceptance and generation benchmarks, as tables, JSON and PNG plots."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from ._common import CliError, Parser, run
+
+
+def setup_arg_parser() -> Parser:
+    """The parser of ``mlx-spec bench``."""
+    parser = Parser(
+        prog="mlx-spec bench",
+        description=(
+            "Times one verification step (mlx-spec's acceptance against its floor and mlx-lm's "
+            "verification) over vocabulary sizes, and generation on the shipped pair (tokens "
+            "per round and per second of mlx-spec, mlx-lm's speculative loop and plain "
+            "decoding) over temperatures; writes results.json, acceptance.png and "
+            "generation.png, and prints the tables."
+        ),
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-out"),
+        help="output folder (default: ./bench-out)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer settings: under a minute on two CPU cores"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs ``mlx-spec bench``; returns the exit status (0, or 2 after a one-line error)."""
+    return run(setup_arg_parser(), _bench, argv, extra="bench")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .. import bench
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CliError(
+            "the plots need matplotlib: pip install 'mlx-spec[bench]' (or pip install matplotlib)"
+        ) from None
+    out = args.out
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out {str(out)!r} is a file; give a folder (it is created if needed)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CliError(
+            f"cannot create --out {str(out)!r} ({error.strerror}); give another folder"
+        ) from None
+    tty = sys.stderr.isatty()
+
+    def progress(step: int, steps: int, label: str) -> None:
+        filled = round(20 * (step - 1) / steps)
+        line = f"[{'#' * filled}{'.' * (20 - filled)}] {step}/{steps} {label}"
+        sys.stderr.write(f"\r\x1b[K{line}" if tty else f"{line}\n")
+        sys.stderr.flush()
+
+    start = time.perf_counter()
+    results = bench.run_benchmark(out, args.quick, progress)
+    sys.stderr.write(f"{chr(13) + chr(27) + '[K' if tty else ''}[{'#' * 20}] done\n")
+    m = results["machine"]
+    print(
+        f"# mlx-spec bench{' --quick' if args.quick else ''}: {m['date']}, {m['system']}, "
+        f"{m['cpu_count']} cores, Python {m['python']}, MLX {m['mlx']} ({m['device']}), "
+        f"mlx-lm {m['mlx_lm']}"
+    )
+    print(
+        "\n## One verification step: median ms; 'x floor' = time / floor (max + read), "
+        "'speedup' = mlx-lm / mlx-spec\n"
+    )
+    print(bench.acceptance_table(results["acceptance"]))
+    g = results["settings"]["generation"]
+    print(
+        f"\n## Generation on the shipped demo pair: {len(g['prompts'])} prompts x "
+        f"{g['max_tokens']} tokens per setting\n"
+    )
+    print(bench.generation_table(results["generation"]))
+    print(f"\nWrote {out / 'results.json'}, {out / 'acceptance.png'} and {out / 'generation.png'}")
+    print(f"({time.perf_counter() - start:.0f} s)")
+    return 0

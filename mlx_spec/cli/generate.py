@@ -1,0 +1,196 @@
+"""``mlx-spec generate``: speculative generation with any mlx-lm model pair, streamed.
+
+The target and the draft are loaded and checked (same tokenizer, caches that can be rewound)
+before any generation; the speculation's counts come at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ._common import CliError, Parser, fraction, integer, run, temperature
+
+
+def setup_arg_parser() -> Parser:
+    """The parser of ``mlx-spec generate``."""
+    parser = Parser(
+        prog="mlx-spec generate",
+        description=(
+            "Speculative generation with a target and a draft model that share a tokenizer, "
+            "streamed; the speculation's counts come at the end. The output has exactly the "
+            "target's distribution under the given sampler."
+        ),
+    )
+    parser.add_argument(
+        "--model", required=True, help="target: a local mlx-lm folder or a name mlx-lm resolves"
+    )
+    parser.add_argument(
+        "--draft-model", required=True, help="draft model sharing the target's tokenizer"
+    )
+    parser.add_argument("--prompt", required=True, help="the prompt text")
+    parser.add_argument(
+        "--temp", type=temperature, default=0.0, help="temperature, >= 0; 0 is greedy"
+    )
+    parser.add_argument(
+        "--top-p", type=fraction, default=0.0, help="nucleus mass in [0, 1]; 0 or 1 is off"
+    )
+    parser.add_argument(
+        "--top-k", type=integer(0, " (0 is off)"), default=0, help="keep the top k; 0 is off"
+    )
+    parser.add_argument("--min-p", type=fraction, default=0.0, help="min-p in [0, 1]; 0 is off")
+    parser.add_argument(
+        "--num-draft-tokens", "-n", type=integer(1), default=2, help="draft tokens per round"
+    )
+    parser.add_argument(
+        "--max-tokens", "-m", type=integer(1), default=256, help="tokens to generate"
+    )
+    parser.add_argument(
+        "--seed", type=integer(0), default=None, help="random seed (default: a fresh one)"
+    )
+    parser.add_argument(
+        "--ignore-chat-template",
+        action="store_true",
+        help="use the prompt as it is, even when the tokenizer has a chat template",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs ``mlx-spec generate``; returns the exit status (0, or 2 after a one-line error)."""
+    return run(setup_arg_parser(), _generate, argv)
+
+
+# -- loading and checking a model pair --------------------------------------------------------
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def load_model(name: str, role: str) -> tuple[Any, Any]:
+    """``mlx_lm.load(name)``, with errors the user can act on.
+
+    Args:
+        name (str): a local model folder, or a name mlx-lm resolves (``org/model``).
+        role (str): ``"target"`` or ``"draft"``, for the messages.
+
+    Returns:
+        tuple: the model and its ``TokenizerWrapper``.
+
+    Raises:
+        CliError: the folder is missing or not a model folder, or mlx-lm cannot load it.
+    """
+    from mlx_lm import load
+
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise CliError(
+                f"{role} model {name!r} is not an mlx-lm model folder (no config.json in it); "
+                "give a folder made by mlx_lm.convert or a name such as mlx-community/..."
+            )
+    elif name.count("/") != 1 or name.startswith(("/", ".", "~")) or name.endswith("/"):
+        # Not an ``org/model`` name either: a folder that is not there.
+        raise CliError(
+            f"{role} model folder not found: {name!r}; give an existing mlx-lm model folder "
+            "(config.json, *.safetensors, tokenizer files) or a name such as "
+            "mlx-community/Qwen2.5-0.5B-Instruct-4bit"
+        )
+    try:
+        return load(str(path) if path.exists() else name)
+    except Exception as error:
+        raise CliError(
+            f"could not load the {role} model {name!r} ({_first_line(error)}); give a local "
+            "mlx-lm model folder, or a name mlx-lm can download on this machine"
+        ) from None
+
+
+def check_pair(tokenizer: Any, draft_tokenizer: Any) -> None:
+    """Raises :class:`CliError` unless target and draft tokenize the same way (same ids)."""
+    target_vocab, draft_vocab = tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    advice = "use a draft of the same model family, made with the target's tokenizer"
+    if len(target_vocab) != len(draft_vocab):
+        raise CliError(
+            f"the target's tokenizer has {len(target_vocab)} tokens and the draft's "
+            f"{len(draft_vocab)}: the vocabulary sizes differ; {advice}"
+        )
+    if target_vocab != draft_vocab:
+        differ = sum(draft_vocab.get(token) != i for token, i in target_vocab.items())
+        raise CliError(
+            f"the target and the draft have different tokenizers ({differ} of "
+            f"{len(target_vocab)} tokens have other ids); {advice}"
+        )
+
+
+def check_caches(target: Any, draft: Any) -> None:
+    """Raises :class:`CliError` when either model's KV cache cannot be trimmed."""
+    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+
+    for role, model in (("target", target), ("draft", draft)):
+        cache = make_prompt_cache(model)
+        if not can_trim_prompt_cache(cache):
+            kinds = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
+            raise CliError(
+                f"the {role} model's cache cannot be trimmed ({', '.join(kinds)}): speculative "
+                "decoding rewinds both caches after each round; use models with an attention "
+                "KV cache (not recurrent or state-space layers)"
+            )
+
+
+# -- the command -------------------------------------------------------------------------------
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import mlx.core as mx
+
+    from ..generation import SpeculativeStats, stream_generate
+    from ..sampling import make_sampler
+
+    target, tokenizer = load_model(args.model, "target")
+    draft, draft_tokenizer = load_model(args.draft_model, "draft")
+    check_pair(tokenizer, draft_tokenizer)
+    check_caches(target, draft)
+    prompt = args.prompt
+    if not args.ignore_chat_template and getattr(tokenizer, "chat_template", None):
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    sampler = make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
+    stats = SpeculativeStats()
+    response = None
+    try:
+        for response in stream_generate(
+            target,
+            tokenizer,
+            prompt,
+            max_tokens=args.max_tokens,
+            draft_model=draft,
+            sampler=sampler,
+            num_draft_tokens=args.num_draft_tokens,
+            key=mx.random.key(seed),
+            stats=stats,
+        ):
+            print(response.text, end="", flush=True)
+    except ValueError as error:
+        raise CliError(str(error)) from None
+    print()
+    print("=" * 10)
+    if response is not None:
+        print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.1f} tokens/s")
+        print(
+            f"Generation: {response.generation_tokens} tokens, "
+            f"{response.generation_tps:.1f} tokens/s ({response.finish_reason})"
+        )
+    print(
+        f"Speculation: N = {args.num_draft_tokens}, {stats.rounds} rounds, "
+        f"{stats.drafted} drafted, {stats.accepted} accepted "
+        f"(acceptance rate {stats.acceptance_rate:.1%}), "
+        f"{stats.tokens_per_round:.2f} tokens per round; seed {seed}"
+    )
+    return 0
