@@ -348,12 +348,26 @@ def check_demo_output(stdout: str, n: int | None, max_tokens: int) -> None:
     assert rows[("0.0", "mlx-spec")][2] == rows[("0.0", "mlx-lm speculative decoding")][2]
 
 
+def shipped_model_facts(role: str) -> str:
+    """How the demo describes a shipped model, from its config and its weights on disk."""
+    config = json.loads((DEMO / role / "config.json").read_text())
+    size = sum(a.size for a in mx.load(str(DEMO / role / "model.safetensors")).values())
+    return (
+        f"a {config['num_hidden_layers']}-layer, {config['hidden_size']}-wide {role} "
+        f"({size / 1e6:.1f}M parameters)"
+    )
+
+
 def test_demo_streams_marked_completions_then_the_table():
     proc = mlx_spec_cmd("demo", "--max-tokens", "12", "-n", "2", "--color", "never")
     assert proc.returncode == 0, proc.stderr
     check_demo_output(proc.stdout, 2, 12)
     assert "\x1b[" not in proc.stdout
     assert "shown in [brackets]" in proc.stdout
+    first = proc.stdout.splitlines()[0]
+    assert f"{shipped_model_facts('target')} and {shipped_model_facts('draft')}" in first
+    config = json.loads((DEMO / "target" / "config.json").read_text())
+    assert f"{config['dtype']}, sharing one {config['vocab_size']}-token tokenizer" in first
 
 
 @pytest.mark.slow

@@ -98,9 +98,10 @@ def _demo(args: argparse.Namespace) -> int:
     target, draft, tokenizer = bench.load_demo_pair()
     prompts = [(label, text, mx.array(tokenizer.encode(text))) for label, text in SHOWN]
     print(
-        "mlx-spec demo: a 6-layer target (10.1M parameters) and a 1-layer draft (1.2M), "
-        "bfloat16, sharing one 4096-token tokenizer; trained on Python's own docs and source "
-        f"(shipped in {DEMO_DIR}). MLX {mx.__version__} on {mx.default_device()}."
+        f"mlx-spec demo: {_describe(target, 'target')} and {_describe(draft, 'draft')}, "
+        f"{_dtypes(target, draft)}, sharing one {len(tokenizer.get_vocab())}-token tokenizer; "
+        f"trained on Python's own docs and source (shipped in {DEMO_DIR}). "
+        f"MLX {mx.__version__} on {mx.default_device()}."
     )
     bench.warm_up(target, draft, prompts[0][2])
     if args.num_draft_tokens is None:
@@ -158,6 +159,27 @@ def _demo(args: argparse.Namespace) -> int:
     )
     print(f"\nDemo done in {time.perf_counter() - start:.0f} s. Next: mlx-spec bench --quick")
     return 0
+
+
+def _describe(model: Any, role: str) -> str:
+    """``a 6-layer, 384-wide target (10.1M parameters)``, read from the loaded model."""
+    from mlx.utils import tree_flatten
+
+    size = sum(p.size for _, p in tree_flatten(model.parameters()))
+    layers, width = model.args.num_hidden_layers, model.args.hidden_size
+    return f"a {layers}-layer, {width}-wide {role} ({size / 1e6:.1f}M parameters)"
+
+
+def _dtypes(*models: Any) -> str:
+    """The parameters' dtypes, such as ``bfloat16``."""
+    from mlx.utils import tree_flatten
+
+    names = {
+        str(p.dtype).removeprefix("mlx.core.")
+        for m in models
+        for _, p in tree_flatten(m.parameters())
+    }
+    return ", ".join(sorted(names))
 
 
 def _rows(
