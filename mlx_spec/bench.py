@@ -266,6 +266,7 @@ def acceptance_rows(
     repeats: int,
     progress: Progress = lambda _: None,
     extra_cases: Callable[[int, int, dict], None] | None = None,
+    on_row: Callable[[dict[str, Any]], None] = lambda _: None,
 ) -> list[dict[str, Any]]:
     """Times :func:`acceptance_cases` for each ``(V, N)`` in ``configs``.
 
@@ -275,6 +276,7 @@ def acceptance_rows(
         progress (callable): called with a short label before each configuration.
         extra_cases (callable, optional): called with ``(V, N, cases)`` to add cases (the
             benchmark script adds the NumPy oracle, timed three times).
+        on_row (callable, optional): called with each row as soon as it is measured.
 
     Returns:
         list of dict: ``{"V": V, "N": N, case name: median seconds, ...}`` per configuration.
@@ -287,6 +289,7 @@ def acceptance_rows(
             extra_cases(v, n, cases)
         times = time_cases(cases, repeats, capped=[k for k in cases if k.startswith("oracle")])
         rows.append({"V": v, "N": n, **times})
+        on_row(rows[-1])
     return rows
 
 
@@ -475,11 +478,13 @@ def generation_rows(
     drafts: Sequence[int],
     max_tokens: int,
     progress: Progress = lambda _: None,
+    on_row: Callable[[dict[str, Any]], None] = lambda _: None,
 ) -> list[dict[str, Any]]:
     """mlx-spec, mlx-lm's speculative loop and plain decoding for each temperature and ``N``.
 
     The three run interleaved prompt by prompt (prompt ``i`` with seed ``i``); plain decoding
-    does not depend on ``N`` and runs once per temperature.
+    does not depend on ``N`` and runs once per temperature. ``progress`` is called with a short
+    label before each ``(temp, N)``, ``on_row`` with each row as soon as it is measured.
 
     Returns:
         list of dict: per ``(temp, N)``: ``temp``, ``N``, and for ``mlx-spec``, ``mlx-lm`` and
@@ -506,6 +511,7 @@ def generation_rows(
                     "plain": _tally_dict(plain),
                 }
             )
+            on_row(rows[-1])
     return rows
 
 
@@ -657,11 +663,23 @@ def machine() -> dict[str, Any]:
     }
 
 
+def _write_json(data: dict[str, Any], path: Path) -> None:
+    """Writes ``data`` to ``path`` through a file beside it, so that ``path`` always holds a
+    whole JSON document: the last one written."""
+    partial = path.with_name(f"{path.name}.partial")
+    partial.write_text(json.dumps(data, indent=1))
+    partial.replace(path)
+
+
 def run_benchmark(
     out: Path, quick: bool, progress: Callable[[int, int, str], None] = lambda *_: None
 ) -> dict[str, Any]:
     """Runs both benchmarks, writes ``results.json``, ``acceptance.png`` and ``generation.png``
     into ``out`` (created if needed) and returns the results.
+
+    ``results.json`` is written before the first measurement (the machine and the settings),
+    then again after each measured row, so that a run that is interrupted or fails keeps what
+    it measured.
 
     Args:
         out (Path): the output folder.
@@ -700,14 +718,30 @@ def run_benchmark(
         done += 1
         progress(done, steps, label)
 
-    results: dict[str, Any] = {"machine": machine(), "settings": settings}
-    results["acceptance"] = acceptance_rows(configs, repeats, step)
+    results: dict[str, Any] = {
+        "machine": machine(),
+        "settings": settings,
+        "acceptance": [],
+        "generation": [],
+    }
+    path = out / "results.json"
+
+    def keep(part: str) -> Callable[[dict[str, Any]], None]:
+        def add(row: dict[str, Any]) -> None:
+            results[part].append(row)
+            _write_json(results, path)
+
+        return add
+
+    _write_json(results, path)
+    acceptance_rows(configs, repeats, step, on_row=keep("acceptance"))
     step("generation: loading the demo pair, warm-up")
     target, draft, tokenizer = load_demo_pair()
     prompts = [mx.array(tokenizer.encode(p)) for p in PROMPTS[:n_prompts]]
     warm_up(target, draft, prompts[0])
-    results["generation"] = generation_rows(target, draft, prompts, temps, drafts, max_tokens, step)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    generation_rows(
+        target, draft, prompts, temps, drafts, max_tokens, step, on_row=keep("generation")
+    )
     m = results["machine"]
     subtitle = (
         f"\n{m['date'][:10]}, {m['system']}, {m['cpu_count']} cores, MLX {m['mlx']} {m['device']}"

@@ -13,8 +13,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -286,10 +289,76 @@ def test_bad_demo_and_bench_options(args, fragments):
     assert_one_line_error(mlx_spec_cmd(*args), *fragments)
 
 
+def can_write_in(folder: Path) -> bool:
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def unwritable_folder(tmp_path) -> Path:
+    """An existing folder no file can be created in: a read-only one, or, for root (whom
+    permissions do not stop), /sys; skips where neither holds."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    for candidate in (folder, Path("/sys")):
+        if candidate.is_dir() and not can_write_in(candidate):
+            return candidate
+    pytest.skip("no folder here refuses new files")
+
+
 def test_bench_out_is_a_file(tmp_path):
     file = tmp_path / "results"
     file.write_text("")
     assert_one_line_error(mlx_spec_cmd("bench", "--out", str(file)), "is a file", "folder")
+
+
+def test_bench_out_that_cannot_be_written_fails_before_measuring(unwritable_folder):
+    proc = mlx_spec_cmd("bench", "--quick", "--out", str(unwritable_folder), timeout=60)
+    assert_one_line_error(proc, "cannot write in --out", str(unwritable_folder))
+
+
+@pytest.mark.parametrize("parent", ["unwritable", "file"])
+def test_bench_out_that_cannot_be_created(parent, unwritable_folder, tmp_path):
+    if parent == "file":
+        (tmp_path / "file").write_text("")
+    under = unwritable_folder if parent == "unwritable" else tmp_path / "file"
+    proc = mlx_spec_cmd("bench", "--quick", "--out", str(under / "out"), timeout=60)
+    assert_one_line_error(proc, "cannot create --out", str(under / "out"))
+
+
+def test_bench_results_json_that_cannot_be_written_fails_before_measuring(tmp_path):
+    (tmp_path / "results.json").mkdir()
+    proc = mlx_spec_cmd("bench", "--quick", "--out", str(tmp_path), timeout=120)
+    assert_one_line_error(proc, str(tmp_path / "results.json"))
+
+
+def test_interrupted_bench_keeps_what_it_measured(tmp_path):
+    """results.json is rewritten after each measured row: Ctrl-C loses none of them."""
+    results = tmp_path / "results.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_spec", "bench", "--quick", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (results.exists() and json.loads(results.read_text())["acceptance"]):
+            assert proc.poll() is None and time.monotonic() < deadline, "no row was written"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    kept = json.loads(results.read_text())
+    assert kept["settings"]["quick"] is True
+    assert kept["acceptance"][0]["V"] == 32000 and kept["acceptance"][0]["greedy"] > 0
 
 
 # -- demo --------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,16 +41,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run(setup_arg_parser(), _bench, argv, extra="bench")
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from .. import bench
+def _prepare(out: Path) -> None:
+    """Creates ``out`` if needed and checks that a file can be written in it.
 
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        raise CliError(
-            "the plots need matplotlib: pip install 'mlx-spec[bench]' (or pip install matplotlib)"
-        ) from None
-    out = args.out
+    Raises:
+        CliError: ``out`` is a file, cannot be created, or cannot be written in.
+    """
     if out.exists() and not out.is_dir():
         raise CliError(f"--out {str(out)!r} is a file; give a folder (it is created if needed)")
     try:
@@ -58,17 +55,48 @@ def _bench(args: argparse.Namespace) -> int:
         raise CliError(
             f"cannot create --out {str(out)!r} ({error.strerror}); give another folder"
         ) from None
+    try:
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        raise CliError(
+            f"cannot write in --out {str(out)!r} ({error.strerror}); give a folder you can write"
+        ) from None
+
+
+def _bench(args: argparse.Namespace) -> int:
+    out = args.out
+    _prepare(out)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CliError(
+            "the plots need matplotlib: pip install 'mlx-spec[bench]' (or pip install matplotlib)"
+        ) from None
+    from .. import bench
+
+    # On a terminal the progress bar redraws one line; elsewhere each step is a line.
     tty = sys.stderr.isatty()
+    clear = "\r\x1b[K" if tty else ""
 
     def progress(step: int, steps: int, label: str) -> None:
         filled = round(20 * (step - 1) / steps)
         line = f"[{'#' * filled}{'.' * (20 - filled)}] {step}/{steps} {label}"
-        sys.stderr.write(f"\r\x1b[K{line}" if tty else f"{line}\n")
+        sys.stderr.write(f"{clear}{line}" if tty else f"{line}\n")
         sys.stderr.flush()
 
     start = time.perf_counter()
-    results = bench.run_benchmark(out, args.quick, progress)
-    sys.stderr.write(f"{chr(13) + chr(27) + '[K' if tty else ''}[{'#' * 20}] done\n")
+    try:
+        results = bench.run_benchmark(out, args.quick, progress)
+    except OSError as error:
+        if error.filename is None:
+            raise
+        sys.stderr.write(clear)
+        raise CliError(
+            f"{error.strerror}: {error.filename2 or error.filename}; results.json keeps "
+            "what was measured before"
+        ) from None
+    sys.stderr.write(f"{clear}[{'#' * 20}] done\n")
     m = results["machine"]
     print(
         f"# mlx-spec bench{' --quick' if args.quick else ''}: {m['date']}, {m['system']}, "
