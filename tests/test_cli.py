@@ -259,16 +259,44 @@ def test_draft_whose_cache_cannot_be_trimmed(tmp_path):
         (["--temp", "hot"], ["--temp", "expected a number", "hot"]),
         (["--top-p", "1.5"], ["--top-p", "[0, 1]", "1.5"]),
         (["--min-p", "-0.1"], ["--min-p", "[0, 1]"]),
+        (["--temp", "1e309"], ["--temp", "finite"]),
+        (["--top-p", "inf"], ["--top-p", "finite"]),
         (["--top-k", "-2"], ["--top-k", "must be >= 0"]),
-        (["--num-draft-tokens", "0"], ["--num-draft-tokens", "must be >= 1", "0"]),
+        (["--num-draft-tokens", "0"], ["--num-draft-tokens", "must be in [1, 64]", "0"]),
+        (["-n", "65"], ["--num-draft-tokens", "must be in [1, 64]", "65"]),
+        (["-n", "100000"], ["--num-draft-tokens", "must be in [1, 64]", "100000"]),
         (["-n", "1.5"], ["expected an integer"]),
-        (["--max-tokens", "0"], ["--max-tokens", "must be >= 1"]),
-        (["--seed", "-3"], ["--seed", "must be >= 0"]),
+        (["--max-tokens", "0"], ["--max-tokens", "must be in [1, 1000000]"]),
+        (["--max-tokens", "1000001"], ["--max-tokens", "must be in [1, 1000000]"]),
+        (["--max-tokens", "9" * 5000], ["--max-tokens", "expected an integer", "999..."]),
+        (["--seed", "-3"], ["--seed", "must be in [0, 18446744073709551615]"]),
+        (["--seed", str(2**64)], ["--seed", "must be in [0, 18446744073709551615]"]),
+        (["--seed", "1.5"], ["--seed", "expected an integer"]),
+        (["--prompt", "caf\udce9"], ["--prompt", "not UTF-8", "bytes e9 at character 3"]),
+        (["--prompt", "\udcff\udcfe"], ["--prompt", "not UTF-8", "bytes ff fe at character 0"]),
+        (["--model", "models/\udcff"], ["--model", "not UTF-8"]),
+        (["--draft-model", "\udc80"], ["--draft-model", "not UTF-8"]),
     ],
 )
 def test_bad_generate_option(args, fragments):
+    """Bad values, out-of-range and non-finite numbers, and arguments that are not UTF-8
+    (Python hands their bytes over as lone surrogates, as here)."""
     proc = generate(*args)
-    assert_one_line_error(proc, "mlx-spec generate: error:", "--help", *fragments)
+    line = assert_one_line_error(proc, "mlx-spec generate: error:", "--help", *fragments)
+    assert len(line) < 300, "a long value is cut short in the message"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--seed", str(2**64 - 1), "-n", "64", "--max-tokens", "3"],
+        ["--seed", "0", "-n", "1", "--max-tokens", "1"],
+    ],
+)
+def test_generate_takes_the_bounds_of_its_options(args):
+    proc = generate(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert f"seed {args[1]}" in proc.stdout
 
 
 def test_generate_needs_its_models():
@@ -279,10 +307,16 @@ def test_generate_needs_its_models():
 @pytest.mark.parametrize(
     ("args", "fragments"),
     [
-        (["demo", "--max-tokens", "0"], ["--max-tokens", "must be >= 1"]),
-        (["demo", "-n", "0"], ["--num-draft-tokens", "must be >= 1"]),
+        (["demo", "--max-tokens", "0"], ["--max-tokens", "must be in [1, 1000000]"]),
+        (["demo", "--max-tokens", "1000001"], ["--max-tokens", "must be in [1, 1000000]"]),
+        (["demo", "-n", "0"], ["--num-draft-tokens", "must be in [1, 64]"]),
+        (["demo", "-n", "65"], ["--num-draft-tokens", "must be in [1, 64]"]),
+        (["demo", "--seed", str(2**64)], ["--seed", "must be in [0, 18446744073709551615]"]),
+        (["demo", "--seed", "-1"], ["--seed", "must be in [0, 18446744073709551615]"]),
         (["demo", "--color", "pink"], ["--color", "invalid choice"]),
         (["bench", "--frobnicate"], ["unrecognized arguments", "--frobnicate"]),
+        (["bench", "--out", ""], ["--out", "expected a folder"]),
+        (["bench", "--out", "out-\udcff"], ["--out", "not UTF-8", "bytes ff at character 4"]),
     ],
 )
 def test_bad_demo_and_bench_options(args, fragments):
@@ -437,6 +471,14 @@ def test_demo_streams_marked_completions_then_the_table():
     assert f"{shipped_model_facts('target')} and {shipped_model_facts('draft')}" in first
     config = json.loads((DEMO / "target" / "config.json").read_text())
     assert f"{config['dtype']}, sharing one {config['vocab_size']}-token tokenizer" in first
+
+
+def test_demo_takes_the_largest_seed():
+    """The measured runs use seeds after --seed, which wrap around past 2**64 - 1."""
+    args = ("--seed", str(2**64 - 1), "--max-tokens", "2", "-n", "1", "--color", "never")
+    proc = mlx_spec_cmd("demo", *args)
+    assert proc.returncode == 0, proc.stderr
+    check_demo_output(proc.stdout, 1, 2)
 
 
 @pytest.mark.slow

@@ -62,14 +62,46 @@ def run(
 
 # -- option values -----------------------------------------------------------------------------
 
+MAX_TOKENS = 1_000_000
+"""The most ``--max-tokens`` takes: a bound against typos, far beyond any use of one command."""
+MAX_DRAFT_TOKENS = 64
+"""The most ``--num-draft-tokens`` takes: longer drafts cost more than they can yield."""
+DRAFT_TOKENS_WHY = (  # for help texts, which argparse %-formats
+    "each draft token costs a draft pass, and a round yields on average fewer than 1 / (1 - a) "
+    "tokens for an acceptance rate a: 20 at 95%%"
+)
+SEED_MAX = 2**64 - 1
+"""The largest seed: MLX's random seeds and keys are 64-bit."""
+
+
+def _shown(text: str) -> str:
+    """``text`` quoted for an error message, cut short when it is long."""
+    return repr(text if len(text) <= 40 else f"{text[:40]}...")
+
+
+def utf8_text(text: str) -> str:
+    """Text as given, unless it is not UTF-8.
+
+    Python hands the bytes of an argument that are not UTF-8 over as lone surrogates
+    (``'\\udcff'``), which no tokenizer takes and no UTF-8 output can print.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raw = text[error.start : error.end].encode("utf-8", "surrogateescape")
+        raise argparse.ArgumentTypeError(
+            f"not UTF-8 (bytes {raw.hex(' ')} at character {error.start}); give UTF-8 text"
+        ) from None
+    return text
+
 
 def _number(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number, got {_shown(text)}") from None
     if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {_shown(text)}")
     return value
 
 
@@ -77,7 +109,7 @@ def temperature(text: str) -> float:
     """A sampling temperature: a finite number ``>= 0``."""
     value = _number(text)
     if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0 is greedy), got {text}")
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 is greedy), got {_shown(text)}")
     return value
 
 
@@ -85,20 +117,27 @@ def fraction(text: str) -> float:
     """A probability threshold: a number in ``[0, 1]``."""
     value = _number(text)
     if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1] (0 turns it off), got {text}")
+        raise argparse.ArgumentTypeError(f"must be in [0, 1] (0 turns it off), got {_shown(text)}")
     return value
 
 
-def integer(least: int, hint: str = "") -> Callable[[str], int]:
-    """A parser of integers ``>= least``; ``hint`` follows the bound in its error."""
+def integer(least: int, most: int | None = None, why: str = "") -> Callable[[str], int]:
+    """A parser of integers in ``[least, most]`` (``most=None``: no upper bound); ``why``
+    follows the range in its error."""
+    bound = f">= {least}" if most is None else f"in [{least}, {most}]"
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be >= {least}{hint}, got {text}")
+            raise argparse.ArgumentTypeError(f"expected an integer, got {_shown(text)}") from None
+        if value < least or (most is not None and value > most):
+            raise argparse.ArgumentTypeError(f"must be {bound}{why}, got {_shown(text)}")
         return value
 
     return parse
+
+
+max_tokens = integer(1, MAX_TOKENS)
+num_draft_tokens = integer(1, MAX_DRAFT_TOKENS, " (see --help for why)")
+seed = integer(0, SEED_MAX)

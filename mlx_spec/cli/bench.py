@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ._common import CliError, Parser, run
+from ._common import CliError, Parser, run, utf8_text
 
 
 def setup_arg_parser() -> Parser:
@@ -26,7 +26,7 @@ def setup_arg_parser() -> Parser:
     )
     parser.add_argument(
         "--out",
-        type=Path,
+        type=_folder,
         default=Path("bench-out"),
         help="output folder (default: ./bench-out)",
     )
@@ -34,6 +34,13 @@ def setup_arg_parser() -> Parser:
         "--quick", action="store_true", help="fewer settings: under a minute on two CPU cores"
     )
     return parser
+
+
+def _folder(text: str) -> Path:
+    """A folder named in UTF-8; an empty name would be the current folder, so it is refused."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a folder, got ''")
+    return Path(utf8_text(text))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

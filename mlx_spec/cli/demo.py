@@ -13,7 +13,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._demo import DEMO_DIR, PROMPTS
-from ._common import CliError, Parser, integer, run
+from ._common import (
+    DRAFT_TOKENS_WHY,
+    MAX_DRAFT_TOKENS,
+    MAX_TOKENS,
+    SEED_MAX,
+    CliError,
+    Parser,
+    max_tokens,
+    num_draft_tokens,
+    run,
+    seed,
+)
 
 SHOWN = tuple(zip(("code", "prose"), PROMPTS[:2], strict=True))
 """The prompts completed on screen, labelled; the other prompts choose ``N``."""
@@ -33,18 +44,23 @@ def setup_arg_parser() -> Parser:
     )
     parser.add_argument(
         "--max-tokens",
-        type=integer(1),
+        type=max_tokens,
         default=64,
-        help="tokens per completion and per measured generation (default: 64)",
+        help=f"tokens per completion and per measured generation, 1 to {MAX_TOKENS} (default: 64)",
     )
     parser.add_argument(
         "--num-draft-tokens",
         "-n",
-        type=integer(1),
+        type=num_draft_tokens,
         default=None,
-        help="draft tokens per round (default: the fastest of 1 to 4, measured on this machine)",
+        help=(
+            f"draft tokens per round, 1 to {MAX_DRAFT_TOKENS} ({DRAFT_TOKENS_WHY}); default: "
+            "the fastest of 1 to 3, measured on this machine"
+        ),
     )
-    parser.add_argument("--seed", type=integer(0), default=0, help="random seed (default: 0)")
+    parser.add_argument(
+        "--seed", type=seed, default=0, help="random seed, 0 to 2**64 - 1 (default: 0)"
+    )
     parser.add_argument(
         "--color",
         choices=("auto", "always", "never"),
@@ -189,10 +205,11 @@ def _rows(
     for temp in TEMPS:
         plain, theirs, ours = bench.Tally(), bench.Tally(), bench.Tally()
         for i, prompt in enumerate(prompts * 2):
-            seed = args.seed + i
-            plain += bench.run_plain(prompt, target, temp, seed, args.max_tokens)
-            theirs += bench.run_mlx_lm(prompt, target, draft, n, temp, seed, args.max_tokens)
-            ours += bench.run_mlx_spec(prompt, target, draft, n, temp, seed, args.max_tokens)
+            # MLX takes 64-bit seeds: the ones after the largest wrap around to 0.
+            run_seed = (args.seed + i) & SEED_MAX
+            plain += bench.run_plain(prompt, target, temp, run_seed, args.max_tokens)
+            theirs += bench.run_mlx_lm(prompt, target, draft, n, temp, run_seed, args.max_tokens)
+            ours += bench.run_mlx_spec(prompt, target, draft, n, temp, run_seed, args.max_tokens)
         rows += [
             (temp, "plain decoding (mlx-lm generate_step)", plain),
             (temp, "mlx-lm speculative decoding", theirs),

@@ -12,7 +12,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._common import CliError, Parser, fraction, integer, run, temperature
+from ._common import (
+    DRAFT_TOKENS_WHY,
+    MAX_DRAFT_TOKENS,
+    MAX_TOKENS,
+    CliError,
+    Parser,
+    fraction,
+    integer,
+    max_tokens,
+    num_draft_tokens,
+    run,
+    seed,
+    temperature,
+    utf8_text,
+)
 
 
 def setup_arg_parser() -> Parser:
@@ -26,12 +40,18 @@ def setup_arg_parser() -> Parser:
         ),
     )
     parser.add_argument(
-        "--model", required=True, help="target: a local mlx-lm folder or a name mlx-lm resolves"
+        "--model",
+        type=utf8_text,
+        required=True,
+        help="target: a local mlx-lm folder or a name mlx-lm resolves",
     )
     parser.add_argument(
-        "--draft-model", required=True, help="draft model sharing the target's tokenizer"
+        "--draft-model",
+        type=utf8_text,
+        required=True,
+        help="draft model sharing the target's tokenizer",
     )
-    parser.add_argument("--prompt", required=True, help="the prompt text")
+    parser.add_argument("--prompt", type=utf8_text, required=True, help="the prompt text (UTF-8)")
     parser.add_argument(
         "--temp", type=temperature, default=0.0, help="temperature, >= 0; 0 is greedy"
     )
@@ -39,17 +59,31 @@ def setup_arg_parser() -> Parser:
         "--top-p", type=fraction, default=0.0, help="nucleus mass in [0, 1]; 0 or 1 is off"
     )
     parser.add_argument(
-        "--top-k", type=integer(0, " (0 is off)"), default=0, help="keep the top k; 0 is off"
+        "--top-k",
+        type=integer(0, why=" (0 is off)"),
+        default=0,
+        help="keep the top k; 0, or k at least the vocabulary size, keeps every token",
     )
     parser.add_argument("--min-p", type=fraction, default=0.0, help="min-p in [0, 1]; 0 is off")
     parser.add_argument(
-        "--num-draft-tokens", "-n", type=integer(1), default=2, help="draft tokens per round"
+        "--num-draft-tokens",
+        "-n",
+        type=num_draft_tokens,
+        default=2,
+        help=f"draft tokens per round, 1 to {MAX_DRAFT_TOKENS} ({DRAFT_TOKENS_WHY}); default: 2",
     )
     parser.add_argument(
-        "--max-tokens", "-m", type=integer(1), default=256, help="tokens to generate"
+        "--max-tokens",
+        "-m",
+        type=max_tokens,
+        default=256,
+        help=f"tokens to generate, 1 to {MAX_TOKENS} (default: 256)",
     )
     parser.add_argument(
-        "--seed", type=integer(0), default=None, help="random seed (default: a fresh one)"
+        "--seed",
+        type=seed,
+        default=None,
+        help="random seed, 0 to 2**64 - 1 (default: a fresh one)",
     )
     parser.add_argument(
         "--ignore-chat-template",
@@ -160,7 +194,7 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    key_seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     sampler = make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
     stats = SpeculativeStats()
     response = None
@@ -173,7 +207,7 @@ def _generate(args: argparse.Namespace) -> int:
             draft_model=draft,
             sampler=sampler,
             num_draft_tokens=args.num_draft_tokens,
-            key=mx.random.key(seed),
+            key=mx.random.key(key_seed),
             stats=stats,
         ):
             print(response.text, end="", flush=True)
@@ -191,6 +225,6 @@ def _generate(args: argparse.Namespace) -> int:
         f"Speculation: N = {args.num_draft_tokens}, {stats.rounds} rounds, "
         f"{stats.drafted} drafted, {stats.accepted} accepted "
         f"(acceptance rate {stats.acceptance_rate:.1%}), "
-        f"{stats.tokens_per_round:.2f} tokens per round; seed {seed}"
+        f"{stats.tokens_per_round:.2f} tokens per round; seed {key_seed}"
     )
     return 0
