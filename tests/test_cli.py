@@ -395,6 +395,61 @@ def test_interrupted_bench_keeps_what_it_measured(tmp_path):
     assert kept["acceptance"][0]["V"] == 32000 and kept["acceptance"][0]["greedy"] > 0
 
 
+def test_a_message_of_several_lines_is_printed_as_one(capsys):
+    from mlx_spec.cli._common import CliError, Parser, run
+
+    def body(_):
+        raise CliError("first line\nsecond line")
+
+    assert run(Parser(prog="mlx-spec test"), body, []) == 2
+    assert capsys.readouterr().err == "mlx-spec test: error: first line second line\n"
+
+
+# -- a closed pipe -----------------------------------------------------------------------------
+
+
+def closed_pipe_run(*args: str, read: int = 0) -> tuple[int, str]:
+    """Runs ``python -m mlx_spec *args``, reads ``read`` bytes of its stdout and closes it, as
+    ``head -c`` does; returns the exit status and stderr. stdout is buffered, as a user's is
+    (not under PYTHONUNBUFFERED), so a closed pipe can first show when Python flushes it."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_spec", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        assert len(proc.stdout.read(read)) == read
+        proc.stdout.close()
+        stderr = proc.stderr.read().decode()
+        return proc.wait(timeout=300), stderr
+    finally:
+        proc.kill()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        # Closed before anything is written: the output stays in Python's buffer until exit.
+        ("--help",),
+        ("generate", "--help"),
+        ("generate", "--model", TARGET, "--draft-model", DRAFT, "--prompt", "def f(x):", "-m", "4"),
+    ],
+)
+def test_a_closed_pipe_ends_the_command_quietly(args):
+    status, stderr = closed_pipe_run(*args)
+    assert (status, stderr) == (141, "")
+
+
+def test_a_pipe_closed_while_generate_streams_ends_it_quietly():
+    args = ("--prompt", "class Queue:\n", "--temp", "0", "-m", "400")
+    status, stderr = closed_pipe_run(
+        "generate", "--model", TARGET, "--draft-model", DRAFT, *args, read=10
+    )
+    assert (status, stderr) == (141, "")
+
+
 # -- demo --------------------------------------------------------------------------------------
 
 TABLE_ROW = re.compile(

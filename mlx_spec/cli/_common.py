@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -21,6 +22,11 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+CLOSED_PIPE = 141
+"""The exit status after the reader of the output went away (``mlx-spec ... | head``): 128 +
+SIGPIPE, what a shell reports for a command that a closed pipe stopped."""
 
 
 def run(
@@ -41,23 +47,41 @@ def run(
 
     Returns:
         int: ``body``'s exit status; 2 after a one-line error on stderr (a :class:`CliError`, or
-        a missing dependency); 130 after Ctrl-C.
+        a missing dependency); 130 after Ctrl-C; :data:`CLOSED_PIPE`, silently, once the output
+        has nowhere to go.
     """
-    args = parser.parse_args(argv)
     try:
-        return body(args)
+        try:
+            return body(parser.parse_args(argv))
+        finally:
+            # Output to a pipe is buffered: a closed one may show only here, or at exit.
+            sys.stdout.flush()
     except CliError as error:
-        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        _error(parser.prog, str(error))
         return 2
     except ImportError as error:
-        print(
-            f"{parser.prog}: error: {error}; install it with pip install 'mlx-spec[{extra}]'",
-            file=sys.stderr,
-        )
+        _error(parser.prog, f"{error}; install it with pip install 'mlx-spec[{extra}]'")
         return 2
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        _drop_output()
+        return CLOSED_PIPE
+
+
+def _error(prog: str, message: str) -> None:
+    """Prints ``prog: error: message`` on stderr as one line, however many ``message`` has."""
+    print(f"{prog}: error: {' '.join(message.splitlines())}", file=sys.stderr)
+
+
+def _drop_output() -> None:
+    """Points stdout and stderr at the null device, so that what is left in their buffers, flushed
+    at exit, goes nowhere instead of failing again."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        os.dup2(null, stream.fileno())
+    os.close(null)
 
 
 # -- option values -----------------------------------------------------------------------------
