@@ -110,6 +110,30 @@ def test_help_of_each_subcommand_names_its_options(command, options):
         assert option in text, option
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--help",),
+        ("demo", "--help"),
+        ("generate", "--help"),
+        ("bench", "--help"),
+        ("demo", "-n", "0"),
+        ("generate", "--model", "no-such-folder/", "--draft-model", DRAFT, "--prompt", "x"),
+    ],
+)
+def test_help_and_early_errors_do_not_import_mlx_lm(args):
+    """They answer at once: -X importtime lists every module imported, on stderr."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "mlx_spec", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode in (0, 2), proc.stderr
+    for heavy in ("mlx_lm", "matplotlib", "transformers"):
+        assert heavy not in proc.stderr, heavy
+
+
 def test_no_subcommand_is_a_one_line_error():
     assert_one_line_error(mlx_spec_cmd(), "mlx-spec: error:", "COMMAND", "--help")
 

@@ -119,8 +119,6 @@ def load_model(name: str, role: str) -> tuple[Any, Any]:
     Raises:
         CliError: the folder is missing or not a model folder, or mlx-lm cannot load it.
     """
-    from mlx_lm import load
-
     path = Path(name).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
@@ -135,6 +133,8 @@ def load_model(name: str, role: str) -> tuple[Any, Any]:
             "(config.json, *.safetensors, tokenizer files) or a name such as "
             "mlx-community/Qwen2.5-0.5B-Instruct-4bit"
         )
+    from mlx_lm import load
+
     try:
         return load(str(path) if path.exists() else name)
     except Exception as error:
@@ -180,15 +180,16 @@ def check_caches(target: Any, draft: Any) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    target, tokenizer = load_model(args.model, "target")
+    draft, draft_tokenizer = load_model(args.draft_model, "draft")
+    check_pair(tokenizer, draft_tokenizer)
+    check_caches(target, draft)
+    # Imported after the checks (they import mlx-lm): a wrong folder is refused at once.
     import mlx.core as mx
 
     from ..generation import SpeculativeStats, stream_generate
     from ..sampling import make_sampler
 
-    target, tokenizer = load_model(args.model, "target")
-    draft, draft_tokenizer = load_model(args.draft_model, "draft")
-    check_pair(tokenizer, draft_tokenizer)
-    check_caches(target, draft)
     prompt = args.prompt
     if not args.ignore_chat_template and getattr(tokenizer, "chat_template", None):
         prompt = tokenizer.apply_chat_template(
