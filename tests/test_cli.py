@@ -200,6 +200,16 @@ def test_folder_without_a_model(tmp_path):
     assert_one_line_error(generate(draft=str(tmp_path)), "not an mlx-lm model folder")
 
 
+def test_model_folder_whose_name_is_too_long(tmp_path):
+    name = str(tmp_path / ("m" * 5000))
+    assert_one_line_error(generate(model=name), "cannot read the target model folder", "...")
+
+
+def test_model_folder_of_an_unknown_user():
+    """pathlib cannot expand ~nosuchuser (it raises); it is a folder that is not there."""
+    assert_one_line_error(generate(draft="~no-such-user/model"), "draft model folder not found")
+
+
 def test_a_name_mlx_lm_cannot_resolve_offline(tmp_path):
     env = {
         **os.environ,
@@ -307,7 +317,7 @@ def test_bad_generate_option(args, fragments):
     (Python hands their bytes over as lone surrogates, as here)."""
     proc = generate(*args)
     line = assert_one_line_error(proc, "mlx-spec generate: error:", "--help", *fragments)
-    assert len(line) < 300, "a long value is cut short in the message"
+    assert len(line) < 400, "a long value is cut short in the message"
 
 
 @pytest.mark.parametrize(
@@ -386,6 +396,11 @@ def test_bench_out_that_cannot_be_created(parent, unwritable_folder, tmp_path):
     under = unwritable_folder if parent == "unwritable" else tmp_path / "file"
     proc = mlx_spec_cmd("bench", "--quick", "--out", str(under / "out"), timeout=60)
     assert_one_line_error(proc, "cannot create --out", str(under / "out"))
+
+
+def test_bench_out_whose_name_is_too_long(tmp_path):
+    out = str(tmp_path / ("o" * 5000))
+    assert_one_line_error(mlx_spec_cmd("bench", "--out", out), "cannot create --out", "...")
 
 
 def test_bench_results_json_that_cannot_be_written_fails_before_measuring(tmp_path):

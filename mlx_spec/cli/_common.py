@@ -98,9 +98,9 @@ SEED_MAX = 2**64 - 1
 """The largest seed: MLX's random seeds and keys are 64-bit."""
 
 
-def _shown(text: str) -> str:
+def shown(text: str) -> str:
     """``text`` quoted for an error message, cut short when it is long."""
-    return repr(text if len(text) <= 40 else f"{text[:40]}...")
+    return repr(text if len(text) <= 200 else f"{text[:200]}...")
 
 
 def utf8_text(text: str) -> str:
@@ -123,9 +123,9 @@ def _number(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {_shown(text)}") from None
+        raise argparse.ArgumentTypeError(f"expected a number, got {shown(text)}") from None
     if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {_shown(text)}")
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {shown(text)}")
     return value
 
 
@@ -133,7 +133,7 @@ def temperature(text: str) -> float:
     """A sampling temperature: a finite number ``>= 0``."""
     value = _number(text)
     if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0 is greedy), got {_shown(text)}")
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 is greedy), got {shown(text)}")
     return value
 
 
@@ -141,7 +141,7 @@ def fraction(text: str) -> float:
     """A probability threshold: a number in ``[0, 1]``."""
     value = _number(text)
     if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1] (0 turns it off), got {_shown(text)}")
+        raise argparse.ArgumentTypeError(f"must be in [0, 1] (0 turns it off), got {shown(text)}")
     return value
 
 
@@ -154,9 +154,9 @@ def integer(least: int, most: int | None = None, why: str = "") -> Callable[[str
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {_shown(text)}") from None
+            raise argparse.ArgumentTypeError(f"expected an integer, got {shown(text)}") from None
         if value < least or (most is not None and value > most):
-            raise argparse.ArgumentTypeError(f"must be {bound}{why}, got {_shown(text)}")
+            raise argparse.ArgumentTypeError(f"must be {bound}{why}, got {shown(text)}")
         return value
 
     return parse

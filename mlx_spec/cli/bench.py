@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ._common import CliError, Parser, run, utf8_text
+from ._common import CliError, Parser, run, shown, utf8_text
 
 
 def setup_arg_parser() -> Parser:
@@ -52,22 +52,26 @@ def _prepare(out: Path) -> None:
     """Creates ``out`` if needed and checks that a file can be written in it.
 
     Raises:
-        CliError: ``out`` is a file, cannot be created, or cannot be written in.
+        CliError: ``out`` is a file, cannot be created (a file on its way, a name too long, no
+            permission), or cannot be written in.
     """
-    if out.exists() and not out.is_dir():
-        raise CliError(f"--out {str(out)!r} is a file; give a folder (it is created if needed)")
     try:
+        if out.exists() and not out.is_dir():
+            raise CliError(
+                f"--out {shown(str(out))} is a file; give a folder (it is created if needed)"
+            )
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise CliError(
-            f"cannot create --out {str(out)!r} ({error.strerror}); give another folder"
+            f"cannot create --out {shown(str(out))} ({error.strerror}); give another folder"
         ) from None
     try:
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as error:
         raise CliError(
-            f"cannot write in --out {str(out)!r} ({error.strerror}); give a folder you can write"
+            f"cannot write in --out {shown(str(out))} ({error.strerror}); give a folder you "
+            "can write"
         ) from None
 
 

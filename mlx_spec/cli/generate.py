@@ -24,6 +24,7 @@ from ._common import (
     num_draft_tokens,
     run,
     seed,
+    shown,
     temperature,
     utf8_text,
 )
@@ -106,6 +107,38 @@ def _first_line(error: BaseException) -> str:
     return text[0] if text else type(error).__name__
 
 
+def _model_folder(name: str, role: str) -> Path | None:
+    """The local folder ``name`` names, or ``None`` for a name mlx-lm resolves (``org/model``).
+
+    Raises:
+        CliError: ``name`` names a folder that is missing, holds no ``config.json`` or cannot be
+            read (a name too long, no permission).
+    """
+    path = Path(os.path.expanduser(name))
+    try:
+        if path.exists():
+            if not (path / "config.json").is_file():
+                raise CliError(
+                    f"{role} model {shown(name)} is not an mlx-lm model folder (no config.json "
+                    "in it); give a folder made by mlx_lm.convert or a name such as "
+                    "mlx-community/..."
+                )
+            return path
+    except OSError as error:
+        raise CliError(
+            f"cannot read the {role} model folder {shown(name)} ({error.strerror}); give an "
+            "existing mlx-lm model folder"
+        ) from None
+    if name.count("/") != 1 or name.startswith(("/", ".", "~")) or name.endswith("/"):
+        # Not an ``org/model`` name either: a folder that is not there.
+        raise CliError(
+            f"{role} model folder not found: {shown(name)}; give an existing mlx-lm model "
+            "folder (config.json, *.safetensors, tokenizer files) or a name such as "
+            "mlx-community/Qwen2.5-0.5B-Instruct-4bit"
+        )
+    return None
+
+
 def load_model(name: str, role: str) -> tuple[Any, Any]:
     """``mlx_lm.load(name)``, with errors the user can act on.
 
@@ -119,28 +152,15 @@ def load_model(name: str, role: str) -> tuple[Any, Any]:
     Raises:
         CliError: the folder is missing or not a model folder, or mlx-lm cannot load it.
     """
-    path = Path(name).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise CliError(
-                f"{role} model {name!r} is not an mlx-lm model folder (no config.json in it); "
-                "give a folder made by mlx_lm.convert or a name such as mlx-community/..."
-            )
-    elif name.count("/") != 1 or name.startswith(("/", ".", "~")) or name.endswith("/"):
-        # Not an ``org/model`` name either: a folder that is not there.
-        raise CliError(
-            f"{role} model folder not found: {name!r}; give an existing mlx-lm model folder "
-            "(config.json, *.safetensors, tokenizer files) or a name such as "
-            "mlx-community/Qwen2.5-0.5B-Instruct-4bit"
-        )
+    folder = _model_folder(name, role)
     from mlx_lm import load
 
     try:
-        return load(str(path) if path.exists() else name)
+        return load(name if folder is None else str(folder))
     except Exception as error:
         raise CliError(
-            f"could not load the {role} model {name!r} ({_first_line(error)}); give a local "
-            "mlx-lm model folder, or a name mlx-lm can download on this machine"
+            f"could not load the {role} model {shown(name)} ({_first_line(error)}); give a "
+            "local mlx-lm model folder, or a name mlx-lm can download on this machine"
         ) from None
 
 
