@@ -22,6 +22,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx.utils import tree_flatten
 
 import mlx_spec
@@ -633,3 +635,111 @@ def test_bench_quick_writes_results_and_plots(tmp_path):
     assert "speedup" in proc.stdout and "tok/round mlx-spec" in proc.stdout
     assert str(out / "results.json") in proc.stdout
     assert re.search(r"\] \d+/\d+ acceptance", proc.stderr), proc.stderr
+
+
+# -- fuzzing -----------------------------------------------------------------------------------
+# Bad values for every option of each command, each run in a subprocess with a time limit: the
+# command must end with status 2 and one line on stderr, or succeed; never a traceback or a hang.
+# Each run stops where a good value would start real work, so many fit in the quick suite.
+
+
+def not_utf8(data: bytes) -> str:
+    """An argument of these bytes as Python hands it over: undecodable bytes become surrogates."""
+    return data.decode("utf-8", "surrogateescape")
+
+
+def no_nul(text: str) -> bool:
+    return "\x00" not in text  # no process argument can hold one
+
+
+BAD_VALUES = st.one_of(
+    st.sampled_from(
+        [
+            *("", " ", "-0", "0", "-1", "1.5", "1e309", "nan", "-inf", "1_000", "0x10", "٣"),
+            *("64", "65", "1000001", str(2**64 - 1), str(2**64), "9" * 5000),
+        ]
+    ),
+    st.integers(min_value=-(2**80), max_value=2**80).map(str),
+    st.floats().map(repr),
+    st.text(max_size=12).filter(no_nul),
+    st.binary(min_size=1, max_size=6).map(not_utf8).filter(no_nul),
+)
+"""Numbers of every size, sign and kind (NaN, inf), words, and text that is not UTF-8."""
+
+
+def drawn_options(names: list[str]) -> st.SearchStrategy[list[str]]:
+    """One to three of ``names``, each as ``--name=value`` with a bad value (the ``=`` hands
+    values that start with ``-`` to the option)."""
+    chosen = st.dictionaries(st.sampled_from(names), BAD_VALUES, min_size=1, max_size=3)
+    return chosen.map(lambda options: [f"{name}={value}" for name, value in options.items()])
+
+
+def assert_clean_end(proc: subprocess.CompletedProcess) -> None:
+    """Status 2 with one line on stderr, or success; no traceback either way."""
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode in (0, 2), (proc.returncode, proc.stderr)
+    if proc.returncode == 2:
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.fixture(scope="module")
+def fuzz_dir(tmp_path_factory) -> Path:
+    """A folder for mlx-lm's cache, kept empty, and a file named ``a-file``."""
+    folder = tmp_path_factory.mktemp("fuzz")
+    (folder / "a-file").write_text("")
+    return folder
+
+
+def fuzz_run(fuzz_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    """``mlx_spec_cmd`` offline, so that a model name drawn as ``org/model`` is not fetched."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(fuzz_dir / "hf")}
+    return mlx_spec_cmd(*args, env=env, timeout=120)
+
+
+PAIR_OPTIONS = [
+    "--prompt",
+    "--temp",
+    "--top-p",
+    "--top-k",
+    "--min-p",
+    "--num-draft-tokens",
+    "--seed",
+]
+"""The options of ``generate`` drawn on the demo pair: all but the models and --max-tokens."""
+GENERATE_OPTIONS = ["--model", "--draft-model", "--max-tokens", *PAIR_OPTIONS]
+
+
+@settings(max_examples=30)
+@given(options=drawn_options(GENERATE_OPTIONS))
+def test_fuzz_generate_options(fuzz_dir, options):
+    """The models are missing unless drawn: the run ends once the options are checked."""
+    missing = "no-such-folder/"
+    base = ["--model", missing, "--draft-model", missing, "--prompt", "x"]
+    assert_clean_end(fuzz_run(fuzz_dir, "generate", *base, *options))
+
+
+@settings(max_examples=15)
+@given(options=drawn_options(["--max-tokens", "--num-draft-tokens", "--seed", "--color"]))
+def test_fuzz_demo_options(fuzz_dir, options):
+    """Every value of the demo is checked by its parser; a word after the options that no
+    option takes makes the parser refuse even good values, before the demo starts."""
+    assert_clean_end(fuzz_run(fuzz_dir, "demo", *options, "stop-here"))
+
+
+@settings(max_examples=15)
+@given(value=BAD_VALUES)
+def test_fuzz_bench_out(fuzz_dir, value):
+    """--out is the value under a file, where no folder can be made (or empty, which the parser
+    refuses): the run ends before measuring."""
+    out = value and f"{fuzz_dir / 'a-file'}/{value}"
+    assert_clean_end(fuzz_run(fuzz_dir, "bench", "--quick", f"--out={out}"))
+
+
+@pytest.mark.slow
+@settings(max_examples=25)
+@given(options=drawn_options(PAIR_OPTIONS))
+def test_fuzz_generate_options_on_the_demo_pair(fuzz_dir, options):
+    """Values that pass the parser meet the models: the vocabulary, the sampler, the loop. At
+    most three tokens (--max-tokens is not drawn), so that good values end soon too."""
+    base = ["--model", TARGET, "--draft-model", DRAFT, "--prompt", "x", "--max-tokens", "3"]
+    assert_clean_end(fuzz_run(fuzz_dir, "generate", *base, *options))
