@@ -87,7 +87,7 @@ def _drop_output() -> None:
 # -- option values -----------------------------------------------------------------------------
 
 MAX_TOKENS = 1_000_000
-"""The most ``--max-tokens`` takes: a bound against typos, far beyond any use of one command."""
+"""The most ``--max-tokens`` takes: a bound that catches typos such as ``-m 1000000000``."""
 MAX_DRAFT_TOKENS = 64
 """The most ``--num-draft-tokens`` takes: longer drafts cost more than they can yield."""
 DRAFT_TOKENS_WHY = (  # for help texts, which argparse %-formats
