@@ -177,24 +177,22 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _describe(model: Any, role: str) -> str:
-    """``a 6-layer, 384-wide target (10.1M parameters)``, read from the loaded model."""
+def _parameters(model: Any) -> list[Any]:
     from mlx.utils import tree_flatten
 
-    size = sum(p.size for _, p in tree_flatten(model.parameters()))
+    return [p for _, p in tree_flatten(model.parameters())]
+
+
+def _describe(model: Any, role: str) -> str:
+    """``a 6-layer, 384-wide target (10.1M parameters)``, read from the loaded model."""
+    size = sum(p.size for p in _parameters(model))
     layers, width = model.args.num_hidden_layers, model.args.hidden_size
     return f"a {layers}-layer, {width}-wide {role} ({size / 1e6:.1f}M parameters)"
 
 
 def _dtypes(*models: Any) -> str:
     """The parameters' dtypes, such as ``bfloat16``."""
-    from mlx.utils import tree_flatten
-
-    names = {
-        str(p.dtype).removeprefix("mlx.core.")
-        for m in models
-        for _, p in tree_flatten(m.parameters())
-    }
+    names = {str(p.dtype).removeprefix("mlx.core.") for m in models for p in _parameters(m)}
     return ", ".join(sorted(names))
 
 
