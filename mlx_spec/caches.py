@@ -243,8 +243,8 @@ class ModelCache:
     """One model's caches and the length of text they hold, taken back exactly on request.
 
     Attributes:
-        layers (list): the caches, one per layer, updated in place: it is the caller's list, so
-            a cache that quantization replaces is replaced there too.
+        layers (list): the caches, one per layer, updated in place (quantization replaces some
+            of them in this list).
         length (int): tokens of the text the caches hold.
         replays (bool): whether a rejected draft is taken back by restoring a checkpoint (some
             layer keeps a recurrent state) rather than by trimming.

@@ -211,6 +211,7 @@ class _Generation:
         eos: list[int],
         key: mx.array | None,
         stats: SpeculativeStats,
+        prompt_cache: list[Any] | None = None,
     ) -> None:
         self.text = text
         self.target = target
@@ -223,6 +224,10 @@ class _Generation:
         self.fused = fused_kernels.available()
         self.key = key
         self.stats = stats
+        self.prompt_cache = prompt_cache
+        self.layers = [target.cache.layers]
+        if isinstance(drafter, ModelDrafter):
+            self.layers.append(drafter.cache.layers)
 
     def round(self, remaining: int) -> tuple[list[int], int, mx.array]:
         """One draft-verify round, with one host read.
@@ -290,6 +295,9 @@ class _Generation:
             self.target.feed(self.text.tokens(held, length))
         self.target.cache.forget()
         self.drafter.finish(self.text, length, feed)
+        if self.prompt_cache is not None:
+            # Quantization replaced some caches in the lists the models use: hand them back.
+            self.prompt_cache[:] = [c for layers in self.layers for c in layers]
 
 
 def _opaque_warning() -> None:
@@ -490,8 +498,8 @@ def speculative_generate_step(
         prompt_progress_callback (callable, optional): called with ``(processed, total)`` prompt
             tokens before and after the prefill.
         key (array, optional): ``[2]`` uint32 key from ``mx.random.key``; the same key, models,
-            prompt and arguments give the same tokens, and a longer ``max_tokens`` extends them
-            (with ``adaptive=False``). Default: a key drawn from ``mx.random``'s global state
+            prompt and arguments (``max_tokens`` included) give the same tokens with
+            ``adaptive=False``. Default: a key drawn from ``mx.random``'s global state
             (so ``mx.random.seed`` applies). Unused by greedy and by mlx-lm's rule (which draw
             as mlx-lm does).
         eos_token_ids (iterable of int, optional): end-of-sequence ids: generation ends after
@@ -589,6 +597,7 @@ def speculative_generate_step(
         eos,
         key,
         stats if stats is not None else SpeculativeStats(),
+        prompt_cache,
     )
     progress = prompt_progress_callback or (lambda *_: None)
     return _run(generation, setup, stream, max_tokens, prefill_step_size, progress)

@@ -243,7 +243,8 @@ def test_same_key_same_tokens_and_seed_works(target, drafts) -> None:
     c, _, _ = run(*args, sampler=sampler, max_tokens=40, key=mx.random.key(6))
     longer, _, _ = run(*args, sampler=sampler, max_tokens=60, key=mx.random.key(5))
     assert a == b != c
-    assert longer[:40] == a
+    # Rounds are the same until fewer than N + 1 = 4 tokens are left (then they draft fewer).
+    assert longer[:37] == a[:37]
     mx.random.seed(11)
     d, _, _ = run(*args, sampler=sampler, max_tokens=40)
     mx.random.seed(11)
