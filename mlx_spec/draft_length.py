@@ -25,7 +25,12 @@ from collections import deque
 
 import numpy as np
 
-__all__ = ["DraftLength"]
+__all__ = ["MAX_DRAFT_TOKENS", "DraftLength"]
+
+#: The most draft tokens a round may take. A round keeps on average fewer than ``1 / (1 - a)``
+#: tokens for an acceptance rate ``a`` (20 at 95%), while each draft token costs a position of the
+#: verification and, for a draft model, a draft step.
+MAX_DRAFT_TOKENS = 64
 
 # Forgetting per round: the acceptance is a mean over about the last 30 rounds, the costs a fit
 # to the last 48 rounds with weights falling by this factor per round of age.

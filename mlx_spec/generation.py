@@ -41,7 +41,7 @@ from . import fused as fused_kernels
 from ._checks import check_key, describe
 from .acceptance import INVALID_ROW
 from .caches import ModelCache, check_caches, decode_masks
-from .draft_length import DraftLength
+from .draft_length import MAX_DRAFT_TOKENS, DraftLength
 from .drafters import Drafter, DraftSetup, ModelDrafter, PromptLookupDrafter, Text
 from .rules import Rule, make_rule
 
@@ -60,10 +60,6 @@ __all__ = [
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 StreamLike = mx.Stream | mx.ThreadLocalStream | mx.Device
-
-#: The most draft tokens a round may take. Past a few dozen, a verification costs more with every
-#: token while the tokens a round keeps stay bounded by ``1 / (1 - acceptance)``.
-MAX_DRAFT_TOKENS = 128
 
 # mlx-lm's function, as it was when this module was imported (before any patch).
 _LM_STREAM_GENERATE = _lm_generate.stream_generate

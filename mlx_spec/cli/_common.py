@@ -12,6 +12,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from ..draft_length import MAX_DRAFT_TOKENS
+
 
 class CliError(Exception):
     """A problem the user can fix; printed as one line, exit status 2."""
@@ -88,8 +90,6 @@ def _drop_output() -> None:
 
 MAX_TOKENS = 1_000_000
 """The most ``--max-tokens`` takes: a bound that catches typos such as ``-m 1000000000``."""
-MAX_DRAFT_TOKENS = 64
-"""The most ``--num-draft-tokens`` takes: longer drafts cost more than they can yield."""
 DRAFT_TOKENS_WHY = (  # for help texts, which argparse %-formats
     "each draft token costs a draft pass, and a round yields on average fewer than 1 / (1 - a) "
     "tokens for an acceptance rate a: 20 at 95%%"
