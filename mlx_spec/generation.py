@@ -41,6 +41,7 @@ from . import fused as fused_kernels
 from ._checks import check_key, describe
 from .acceptance import INVALID_ROW
 from .caches import ModelCache, check_caches, decode_masks
+from .distributed import agree_key, model_group
 from .draft_length import MAX_DRAFT_TOKENS, DraftLength
 from .drafters import Drafter, DraftSetup, ModelDrafter, PromptLookupDrafter, Text
 from .rules import Rule, make_rule
@@ -563,8 +564,9 @@ def speculative_generate_step(
         _opaque_warning()
     seed = None
     if rule.random:
-        if key is None:
-            key = mx.random.randint(0, 2**31 - 1, shape=(2,), dtype=mx.uint32)
+        # Every rank of a group the models run on must draw the same tokens.
+        models = [model, chosen.model] if isinstance(chosen, ModelDrafter) else [model]
+        key = agree_key(op, key, model_group(*models), stream=stream)
         key, drafter_key = mx.random.split(key)
         high, low = drafter_key.tolist()
         seed = high << 32 | low
