@@ -9,8 +9,9 @@ Settings:
 
 - ``tensor``: the shipped demo target, loaded with :func:`mlx_spec.distributed.load_sharded`
   (mlx-lm's ``sharded_load``, tensor parallel) and the demo draft, replicated.
-- ``pipeline``: a tiny random qwen2 (a class with ``pipeline`` and only KV caches), one layer
-  per stage, with its first layer as a replicated draft.
+- ``pipeline``: a tiny random qwen2 (a class with ``pipeline`` and only KV caches), saved to
+  ``OUT/qwen2`` by the test and loaded with ``load_sharded(..., pipeline=True)``, one layer per
+  stage, with its first layer as a replicated draft.
 - ``hybrid``: a tiny random qwen3_next (attention and gated delta-net layers) as a pipeline, with
   the qwen2 draft; its recurrent caches cannot be trimmed, so today every case raises.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +44,8 @@ from mlx_spec.generation import speculative_generate_step
 from mlx_spec.sampling import make_sampler
 
 DEMO = Path(__file__).resolve().parent.parent / "mlx_spec" / "demo"
+# The folder under OUT that holds the pipeline setting's target (written by save_qwen2).
+QWEN2_FOLDER = "qwen2"
 DEMO_PROMPT = "def read_file(path):\n    with open(path) as f:\n"
 TINY_PROMPT = [1, 2, 3, 4, 5]
 # Tokens per generation: fewer on the demo target, whose every call makes 12 all-sums.
@@ -127,7 +131,7 @@ def first_layers(model: nn.Module, layers: int) -> nn.Module:
     return cut
 
 
-def demo_models(group: mx.distributed.Group | None) -> dict[str, Any]:
+def demo_models(group: mx.distributed.Group | None, out: Path | None = None) -> dict[str, Any]:
     """The demo pair, the target split over ``group`` (unsplit for ``None``).
 
     The target is cast to float32 (exactly): split and summed in bfloat16, its log-probabilities
@@ -145,13 +149,33 @@ def demo_models(group: mx.distributed.Group | None) -> dict[str, Any]:
     return {"target": target, "draft": draft, "prompt": prompt, "max_tokens": DEMO_TOKENS}
 
 
-def tiny_models(target_kind: str, group: mx.distributed.Group | None) -> dict[str, Any]:
-    """The tiny qwen2 or qwen3_next target, a pipeline over ``group`` (whole for ``None``), and
-    the first layer of the qwen2 target as draft."""
+def save_qwen2(folder: Path) -> None:
+    """The tiny qwen2 target as an mlx-lm model folder (with the demo's tokenizer files), for
+    ``sharded_load``; the test process writes it before the launch."""
+    from mlx_lm.utils import save_config, save_model
+
+    model = tiny(qwen2, 0, 2)
+    save_model(folder, model)
+    save_config(dataclasses.asdict(model.args), folder / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(DEMO / "target" / name, folder / name)
+
+
+def tiny_models(
+    target_kind: str, group: mx.distributed.Group | None, folder: Path | None = None
+) -> dict[str, Any]:
+    """The tiny qwen2 or qwen3_next target as a pipeline over ``group`` (whole for ``None``),
+    and the first layer of the qwen2 target as draft. With ``folder`` (from :func:`save_qwen2`),
+    the qwen2 target is loaded from it with ``load_sharded(..., pipeline=True)``."""
     qwen = tiny(qwen2, 0, 2)
     draft = first_layers(qwen, 1)
-    target = qwen if target_kind == "qwen2" else tiny(qwen3_next, 1, 4, scale=False, **QWEN3_NEXT)
-    if group is not None:
+    if target_kind == "qwen3_next":
+        target = tiny(qwen3_next, 1, 4, scale=False, **QWEN3_NEXT)
+    elif folder is not None and group is not None:
+        target, _ = load_sharded(folder, group, pipeline=True)
+    else:
+        target = qwen
+    if group is not None and folder is None:
         target.model.pipeline(group)
     return {
         "target": target,
@@ -161,10 +185,12 @@ def tiny_models(target_kind: str, group: mx.distributed.Group | None) -> dict[st
     }
 
 
-SETTINGS: dict[str, Callable[[mx.distributed.Group | None], dict[str, Any]]] = {
+# Setting -> its models, given the group (``None``: one process, the target whole) and the
+# launch's folder.
+SETTINGS: dict[str, Callable[[mx.distributed.Group | None, Path | None], dict[str, Any]]] = {
     "tensor": demo_models,
-    "pipeline": lambda group: tiny_models("qwen2", group),
-    "hybrid": lambda group: tiny_models("qwen3_next", group),
+    "pipeline": lambda group, out: tiny_models("qwen2", group, out / QWEN2_FOLDER if out else None),
+    "hybrid": lambda group, out: tiny_models("qwen3_next", group),
 }
 
 
@@ -267,7 +293,7 @@ def main(argv: list[str]) -> None:
         if setting in ENDINGS:
             ENDINGS[setting](group, out)
             continue
-        models = SETTINGS[setting](group)
+        models = SETTINGS[setting](group, out)
         found = model_group(models["target"], models["draft"])
         results = {
             "size": group.size(),

@@ -37,11 +37,13 @@ from distributed_worker import (
     DRAFTERS,
     KEY_SEED,
     NO_KEY_SEED,
+    QWEN2_FOLDER,
     SETTINGS,
     TEMP,
     generate,
     parameter_count,
     plain,
+    save_qwen2,
 )
 
 from mlx_spec.distributed import agree_key, fresh_seed, load_sharded, model_group
@@ -150,6 +152,7 @@ def read_ranks(out: Path, setting: str, output: str) -> list[dict[str, Any]]:
 def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """One launch of every quick setting: the folder of the ranks' results and the output."""
     out = tmp_path_factory.mktemp("ranks")
+    save_qwen2(out / QWEN2_FOLDER)
     return out, launch(out, *QUICK)
 
 
@@ -170,7 +173,7 @@ def case(quick: tuple[Path, str], setting: str, name: str) -> list[list[int]]:
 @cache
 def whole(setting: str) -> dict[str, Any]:
     """The setting's models in this one process, the target unsplit."""
-    return SETTINGS[setting](None)
+    return SETTINGS[setting](None, None)
 
 
 @cache
