@@ -13,6 +13,7 @@ file: a missing file fails the test, with the launch's output. Every launch runs
 process group under a hard timeout, after which the whole group is killed; a rank that dies or
 hangs fails a test and never hangs the suite (``mlx.launch`` also stops the other ranks when one
 exits with an error). One launch runs every quick setting; the tests below read its results.
+:func:`launch` runs any command so, ``python -m mlx_spec ...`` as well.
 
 References come from this process: the same models built or loaded unsplit, mlx-lm's plain
 ``generate_step`` for greedy, and :func:`speculative_generate_step` with the same key for sampled.
@@ -91,30 +92,19 @@ def mlx_launch() -> str:
     return found
 
 
-def launch(out: Path, *settings: str) -> str:
-    """Runs the worker's ``settings`` on 2 ranks; returns the launch's output (stdout, stderr).
+def launch(*command: str) -> str:
+    """Runs ``command`` on 2 ranks with ``mlx.launch``; returns the launch's output (stdout and
+    stderr together).
 
     The ranks run in the launch's own process group, killed whole after :data:`TIMEOUT_S`.
     """
-    command = [
-        mlx_launch(),
-        "-n",
-        str(RANKS),
-        "--backend",
-        "ring",
-        "--starting-port",
-        str(free_ports(RANKS)),
-        "--",
-        sys.executable,
-        str(WORKER),
-        str(out),
-        *settings,
-    ]
+    launcher = [mlx_launch(), "-n", str(RANKS), "--backend", "ring"]
+    launcher += ["--starting-port", str(free_ports(RANKS)), "--"]
     paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
     # Offline: loading the demo target with sharded_load must not reach the network.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths)), "HF_HUB_OFFLINE": "1"}
     process = subprocess.Popen(
-        command,
+        [*launcher, *command],
         cwd=ROOT,
         env=env,
         stdin=subprocess.DEVNULL,
@@ -137,6 +127,11 @@ def launch(out: Path, *settings: str) -> str:
     return output
 
 
+def worker(out: Path, *settings: str) -> list[str]:
+    """The command of a rank of :mod:`distributed_worker`, writing to ``out``."""
+    return [sys.executable, str(WORKER), str(out), *settings]
+
+
 def read_ranks(out: Path, setting: str, output: str) -> list[dict[str, Any]]:
     """Every rank's results for ``setting``; fails with the launch's output if one is missing."""
     results = []
@@ -153,7 +148,7 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """One launch of every quick setting: the folder of the ranks' results and the output."""
     out = tmp_path_factory.mktemp("ranks")
     save_qwen2(out / QWEN2_FOLDER)
-    return out, launch(out, *QUICK)
+    return out, launch(*worker(out, *QUICK))
 
 
 def ranks(quick: tuple[Path, str], setting: str) -> list[dict[str, Any]]:
@@ -274,7 +269,7 @@ def test_hybrid_pipeline_target_once_caches_replay(quick, name) -> None:
 
 @pytest.mark.slow
 def test_an_uncaught_key_error_ends_every_rank(tmp_path) -> None:
-    launch(tmp_path, "uncaught")
+    launch(*worker(tmp_path, "uncaught"))
     for rank in range(RANKS):
         error = (tmp_path / f"uncaught-rank{rank}.txt").read_text()
         assert error.startswith("speculative_generate_step: `key` differs between the 2 ranks")
@@ -283,7 +278,7 @@ def test_an_uncaught_key_error_ends_every_rank(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_a_rank_that_dies_ends_the_launch(tmp_path) -> None:
-    launch(tmp_path, "die")
+    launch(*worker(tmp_path, "die"))
     assert (tmp_path / "die-rank1.txt").exists()
     assert not list(tmp_path.glob("*finished*"))
 
