@@ -59,10 +59,9 @@ KEY_SEED = 11
 NO_KEY_SEED = 100
 
 # How each drafter is passed to speculative_generate_step, given the setting's models. Prompt
-# lookup joins here as one line once the loop has it: "prompt-lookup": lambda m: {"drafter":
-# "prompt-lookup"} (with no draft model).
 DRAFTERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "model": lambda models: {"draft_model": models["draft"]},
+    "lookup": lambda models: {"drafter": "prompt-lookup"},
 }
 
 TINY = {
