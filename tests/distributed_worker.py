@@ -58,7 +58,7 @@ KEY_SEED = 11
 # without a key agrees only if the group takes rank 0's draw.
 NO_KEY_SEED = 100
 
-# How each drafter is passed to speculative_generate_step, given the setting's models. Prompt
+# How each drafter is passed to speculative_generate_step, given the setting's models.
 DRAFTERS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "model": lambda models: {"draft_model": models["draft"]},
     "lookup": lambda models: {"drafter": "prompt-lookup"},
