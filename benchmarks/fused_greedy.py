@@ -1,6 +1,6 @@
 """Which greedy kernel? The shipped two-launch kernel against three alternatives, on CUDA.
 
-The shipped kernel (``mlx_spec.fused``, ``accept_greedy(..., fused=True)``, its launches built
+The shipped kernel (``mlx_spec.kernels``, ``accept_greedy(..., fused=True)``, its launches built
 inside ``mx.compile``) takes the argmax of 4096-column slices of every row in its first launch
 (many blocks: all ``N + 1`` rows at the bandwidth of the whole chip), then combines the slices and
 decides in a second, one-block launch. The alternatives are timed as plain calls, beside the same
@@ -40,7 +40,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_spec import accept_greedy, fused, read
+from mlx_spec import accept_greedy, kernels, read
 from mlx_spec.bench import time_cases, torch_greedy_peers
 
 ONE_BLOCK_SOURCE = r"""
@@ -161,13 +161,13 @@ def _alternative(name: str, output: str, call: str, source: str) -> Callable[...
         input_names=["logits", "draft", "eos"],
         output_names=[output],
         source=call,
-        header=fused._HEADER + source,
+        header=kernels.header("greedy") + source,
         ensure_row_contiguous=True,
     )
 
 
 def one_block_greedy() -> Callable[[mx.array, mx.array, mx.array], mx.array]:
-    """The alternative: ``(logits, draft, eos) -> [3]`` uint32, as ``fused.greedy``."""
+    """The alternative: ``(logits, draft, eos) -> [3]`` uint32, as ``kernels.greedy``."""
     kernel = _alternative(
         "one_block",
         "out",
@@ -180,8 +180,8 @@ def one_block_greedy() -> Callable[[mx.array, mx.array, mx.array], mx.array]:
         return kernel(
             inputs=[logits, draft, eos],
             template=[("T", logits.dtype), ("D", draft.dtype), ("ET", eos.dtype)],
-            grid=(fused.THREADS, 1, 1),
-            threadgroup=(fused.THREADS, 1, 1),
+            grid=(kernels.THREADS, 1, 1),
+            threadgroup=(kernels.THREADS, 1, 1),
             output_shapes=[(3,)],
             output_dtypes=[mx.uint32],
         )[0]
@@ -191,7 +191,7 @@ def one_block_greedy() -> Callable[[mx.array, mx.array, mx.array], mx.array]:
 
 def last_block_greedy() -> Callable[[mx.array, mx.array, mx.array], mx.array]:
     """The alternative in one launch: ``(logits, draft, eos) -> [3]`` uint32, as
-    ``fused.greedy``."""
+    ``kernels.greedy``."""
     # `work`: [4 + 2 R S] uint32, the result, the counter (zeroed by MLX), then the slices' maxima
     # (as float bits) and their indices.
     kernel = _alternative(
@@ -207,12 +207,12 @@ def last_block_greedy() -> Callable[[mx.array, mx.array, mx.array], mx.array]:
 
     def greedy(logits: mx.array, draft: mx.array, eos: mx.array) -> mx.array:
         rows, vocab = logits.shape
-        slices = -(-vocab // fused.SLICE)
+        slices = -(-vocab // kernels.SLICE)
         return kernel(
             inputs=[logits, draft, eos],
             template=[("T", logits.dtype), ("D", draft.dtype), ("ET", eos.dtype)],
-            grid=(rows * slices * fused.SLICE_THREADS, 1, 1),
-            threadgroup=(fused.SLICE_THREADS, 1, 1),
+            grid=(rows * slices * kernels.SLICE_THREADS, 1, 1),
+            threadgroup=(kernels.SLICE_THREADS, 1, 1),
             output_shapes=[(4 + 2 * rows * slices,)],
             output_dtypes=[mx.uint32],
             init_value=0,
@@ -223,14 +223,14 @@ def last_block_greedy() -> Callable[[mx.array, mx.array, mx.array], mx.array]:
 
 def ring_greedy() -> Callable[[mx.array, mx.array, mx.array], mx.array]:
     """The alternative in one launch without a fill: ``(logits, draft, eos) -> [3]`` uint32, as
-    ``fused.greedy``, each call on the next of 1024 counters (not safe under ``mx.compile``)."""
+    ``kernels.greedy``, each call on the next of 1024 counters (not safe under ``mx.compile``)."""
     kernel = mx.fast.cuda_kernel(
         name="mlx_spec_greedy_ring",
         input_names=["logits", "draft", "eos", "counter"],
         output_names=["out", "part_max", "part_at"],
         source="ms_greedy_one_launch<T, D, ET>(logits, draft, eos, const_cast<uint32_t*>(counter), "
         "out, part_max, part_at, logits_shape[0], logits_shape[1], eos_shape[0]);",
-        header=fused._HEADER + ONE_LAUNCH_SOURCE,
+        header=kernels.header("greedy") + ONE_LAUNCH_SOURCE,
         ensure_row_contiguous=True,
     )
     ring = mx.zeros((1024,), mx.uint32)
@@ -239,13 +239,13 @@ def ring_greedy() -> Callable[[mx.array, mx.array, mx.array], mx.array]:
 
     def greedy(logits: mx.array, draft: mx.array, eos: mx.array) -> mx.array:
         rows, vocab = logits.shape
-        slices = -(-vocab // fused.SLICE)
+        slices = -(-vocab // kernels.SLICE)
         slot = next(taken) % ring.shape[0]
         return kernel(
             inputs=[logits, draft, eos, ring[slot : slot + 1]],
             template=[("T", logits.dtype), ("D", draft.dtype), ("ET", eos.dtype)],
-            grid=(rows * slices * fused.SLICE_THREADS, 1, 1),
-            threadgroup=(fused.SLICE_THREADS, 1, 1),
+            grid=(rows * slices * kernels.SLICE_THREADS, 1, 1),
+            threadgroup=(kernels.SLICE_THREADS, 1, 1),
             output_shapes=[(3,), (rows, slices), (rows, slices)],
             output_dtypes=[mx.uint32, mx.float32, mx.uint32],
         )[0]
@@ -265,11 +265,8 @@ def check(kernel: Callable) -> int:
         for n, v in GREEDY_SHAPES:
             for logits, draft, eos in greedy_inputs(n, v, dtype, seed=n * 1000 + v):
                 want = np.array(accept_greedy(logits, draft, eos))
-                got = np.array(
-                    kernel(
-                        logits, draft if n else fused.no_id(), fused.no_id() if eos is None else eos
-                    )
-                )
+                no_id = kernels.no_id()
+                got = np.array(kernel(logits, draft if n else no_id, no_id if eos is None else eos))
                 assert got.tolist() == want.tolist(), (n, v, dtype, got, want)
                 cases += 1
     return cases
@@ -291,10 +288,10 @@ def timed_cases(
         "floor": lambda: mx.max(logits, axis=-1).tolist(),
         "composition": lambda: read(accept_greedy(logits, draft)),
         "two launches": lambda: read(accept_greedy(logits, draft, fused=True)),
-        "two launches, plain": lambda: read(fused.greedy(logits, draft, fused.no_id())),
+        "two launches, plain": lambda: read(kernels.greedy(logits, draft, kernels.no_id())),
     }
     for name, kernel in alternatives.items():
-        cases[name] = lambda kernel=kernel: read(kernel(logits, draft, fused.no_id()))
+        cases[name] = lambda kernel=kernel: read(kernel(logits, draft, kernels.no_id()))
     peers = torch_greedy_peers(rows, np.array(draft))
     if peers:
         cases["torch"] = peers["torch greedy"]
@@ -305,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args(argv)
-    if not fused.available():
+    if not kernels.available():
         sys.exit("fused_greedy.py: needs MLX's CUDA backend (MLX runs on the CPU here)")
     grid_counts_threads()
     alternatives = {
@@ -313,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
         "last block": last_block_greedy(),
         "ring": ring_greedy(),
     }
-    for name, kernel in {"two launches": fused.greedy, **alternatives}.items():
+    for name, kernel in {"two launches": kernels.greedy, **alternatives}.items():
         print(f"{name} equals the composition on {check(kernel)} cases", flush=True)
     v = 152064
     print(f"V={v}; medians of {args.repeats} interleaved repeats, ms, with the read")

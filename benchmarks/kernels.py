@@ -19,7 +19,7 @@ from collections import Counter
 
 import mlx.core as mx
 
-from mlx_spec import accept_greedy, accept_sampled, fused
+from mlx_spec import accept_greedy, accept_sampled, kernels
 
 VIEWS = {"Reshape", "Squeeze", "ExpandDims", "Broadcast", "Slice", "Transpose", "AsStrided"}
 
@@ -48,7 +48,7 @@ def kernel_counts(v: int, n: int) -> dict[str, tuple[int, int, Counter]]:
         "accept_sampled none": accept_sampled(probs, draft, None, None, key),
         "accept_sampled q eos": accept_sampled(probs, draft, q, eos, key),
     }
-    if fused.available():
+    if kernels.available():
         graphs.update(
             {
                 "fused greedy": accept_greedy(rows, draft, fused=True),
@@ -60,8 +60,12 @@ def kernel_counts(v: int, n: int) -> dict[str, tuple[int, int, Counter]]:
     counts = {}
     for name, out in graphs.items():
         prims = primitives(out)
-        kernels = Counter({k: c for k, c in prims.items() if k not in VIEWS})
-        counts[name] = (sum(kernels.values()), sum(prims.values()) - sum(kernels.values()), kernels)
+        launched = Counter({k: c for k, c in prims.items() if k not in VIEWS})
+        counts[name] = (
+            sum(launched.values()),
+            sum(prims.values()) - sum(launched.values()),
+            launched,
+        )
     return counts
 
 
@@ -72,9 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     print(f"mlx {mx.__version__}, {mx.default_device()}, V={args.vocab}, N={args.draft}")
     print(f"{'graph':22} {'kernels':>7} {'views':>5}  kernels by primitive")
-    for name, (kernels, views, by) in kernel_counts(args.vocab, args.draft).items():
+    for name, (launches, views, by) in kernel_counts(args.vocab, args.draft).items():
         detail = ", ".join(f"{k} {c}" for k, c in sorted(by.items()))
-        print(f"{name:22} {kernels:7d} {views:5d}  {detail}")
+        print(f"{name:22} {launches:7d} {views:5d}  {detail}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ At V = 152064 and N + 1 bfloat16 rows (N = 16 by default), the median (and 90th 
 - fused greedy: ``accept_greedy(..., fused=True)`` + ``read``, without EOS ids (where MLX runs
   on CUDA);
 - fused greedy eos: the same with one EOS id, in an array made once as the generation loop's;
-- fused plain: the two launches built anew (``fused.greedy``, not compiled) + ``read``;
+- fused plain: the two launches built anew (``kernels.greedy``, not compiled) + ``read``;
 - fused numpy read: ``accept_greedy(..., fused=True)`` read through a NumPy copy, as ``read``
   read a ``[3]`` result before it took ``tolist``;
 - torch tiny, torch floor, torch greedy: the same in PyTorch on the same GPU (vLLM's way), where
@@ -20,7 +20,7 @@ case of ``benchmarks/acceptance.py`` (the composition, mlx-lm's path, the sample
 benchmark times them. Where the interleaved times exceed the lone ones, a case pays for the others.
 
 First, the host time of building each step's graph without evaluating it (median of 2000 builds):
-``mx.max``, ``accept_greedy(..., fused=True)`` (compiled: a replay) and ``fused.greedy`` (both
+``mx.max``, ``accept_greedy(..., fused=True)`` (compiled: a replay) and ``kernels.greedy`` (both
 launches built anew).
 
 Usage: ``python benchmarks/overhead.py [--drafts N ...] [--repeats R]``.
@@ -36,7 +36,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from mlx_spec import accept_greedy, fused, read
+from mlx_spec import accept_greedy, kernels, read
 from mlx_spec.bench import acceptance_cases, time_cases, torch_greedy_peers
 
 V = 152064
@@ -57,10 +57,10 @@ def _mlx_cases(n: int) -> tuple[dict[str, Callable[[], object]], np.ndarray, np.
         "mlx tiny": lambda: (tiny + 1).tolist(),
         "mlx floor": lambda: mx.max(rows, axis=-1).tolist(),
     }
-    if fused.available():
+    if kernels.available():
         cases["fused greedy"] = lambda: read(accept_greedy(rows, draft, fused=True))
         cases["fused greedy eos"] = lambda: read(accept_greedy(rows, draft, eos, fused=True))
-        cases["fused plain"] = lambda: read(fused.greedy(rows, draft, fused.no_id()))
+        cases["fused plain"] = lambda: read(kernels.greedy(rows, draft, kernels.no_id()))
         cases["fused numpy read"] = lambda: np.array(accept_greedy(rows, draft, fused=True))
     return cases, rows_np, np.array(draft)
 
@@ -71,9 +71,9 @@ def _build_times(n: int, builds: int = 2000) -> dict[str, float]:
     draft = mx.zeros((n,), mx.uint32)
     mx.eval(rows, draft)
     steps: dict[str, Callable[[], object]] = {"mx.max": lambda: mx.max(rows, axis=-1)}
-    if fused.available():
+    if kernels.available():
         steps["accept_greedy fused"] = lambda: accept_greedy(rows, draft, fused=True)
-        steps["fused.greedy"] = lambda: fused.greedy(rows, draft, fused.no_id())
+        steps["kernels.greedy"] = lambda: kernels.greedy(rows, draft, kernels.no_id())
     times = {}
     for name, build in steps.items():
         build()

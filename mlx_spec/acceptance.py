@@ -23,7 +23,7 @@ from functools import cache, wraps
 import mlx.core as mx
 import numpy as np
 
-from . import fused as fused_kernels
+from . import kernels
 from ._checks import (
     StreamOrDevice,
     check_draft_probs,
@@ -78,15 +78,15 @@ def _use_fused(op: str, fused: bool, stream: StreamOrDevice, vocab: int | None =
     ``vocab`` tokens where the kernel has a limit); returns ``fused``."""
     if not fused:
         return False
-    if not fused_kernels.available(stream):
+    if not kernels.available(stream):
         where = stream if stream is not None else mx.default_device()
         raise ValueError(
             f"{op}: `fused=True` needs MLX's CUDA backend and a GPU stream, got {where} "
             f"(CUDA available: {mx.cuda.is_available()})"
         )
-    if vocab is not None and vocab > fused_kernels.MAX_VOCAB:
+    if vocab is not None and vocab > kernels.MAX_VOCAB:
         raise ValueError(
-            f"{op}: `fused=True` takes V <= {fused_kernels.MAX_VOCAB}, got V = {vocab}; "
+            f"{op}: `fused=True` takes V <= {kernels.MAX_VOCAB}, got V = {vocab}; "
             "use the composition (fused=False)"
         )
     return True
@@ -196,8 +196,8 @@ def accept_greedy(
         if _use_fused(op, fused, stream):
             return _fused_greedy_graph(
                 logits,
-                draft if n else fused_kernels.no_id(),
-                fused_kernels.no_id() if eos is None else eos,
+                draft if n else kernels.no_id(),
+                kernels.no_id() if eos is None else eos,
             )
         return _greedy_graph(device_type(stream) == mx.DeviceType.cpu)(logits, draft, eos)
 
@@ -207,7 +207,7 @@ def _fused_greedy_graph(logits: mx.array, draft: mx.array, eos: mx.array) -> mx.
     """The two greedy launches, compiled: a call replays the graph traced for its shapes instead
     of building both launches again (on an H200, 5 to 12 us of host time per call against 9 to
     14 us, in two runs: docs/performance.md)."""
-    return fused_kernels.greedy(logits, draft, eos)
+    return kernels.greedy(logits, draft, eos)
 
 
 @cache
@@ -236,7 +236,7 @@ def _greedy_graph(on_cpu: bool) -> Callable[..., mx.array]:
 
 def _block_count(v: int) -> int:
     """A number of blocks near ``sqrt(V)`` for the two-level draw, dividing ``V`` if it can
-    (``ms_block_count`` in :mod:`mlx_spec.fused` computes the same)."""
+    (``ms_block_count`` in :mod:`mlx_spec.kernels` computes the same)."""
     root = max(1, math.isqrt(v))
     for blocks in range(root, max(root // 4, 1) - 1, -1):
         if v % blocks == 0:
@@ -391,11 +391,11 @@ def _fused_sampled_graph(
 ) -> mx.array:
     """The uniforms, then the fused kernel (compiled: the uniforms' element-wise ops fuse)."""
     n = draft.shape[0]
-    return fused_kernels.sampled(
+    return kernels.sampled(
         probs,
         probs if q is None or n == 0 else q,
-        draft if n else fused_kernels.no_id(),
-        fused_kernels.no_id() if eos is None else eos,
+        draft if n else kernels.no_id(),
+        kernels.no_id() if eos is None else eos,
         mx.random.uniform(shape=(n + 1,), key=key),
         has_q=q is not None and n > 0,
     )

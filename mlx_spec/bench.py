@@ -31,7 +31,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.generate import generate_step
 
-from . import fused
+from . import kernels
 from ._demo import DEMO_DIR, PROMPTS
 from .acceptance import accept_greedy, accept_sampled, read
 from .generation import SpeculativeStats, speculative_generate_step
@@ -185,7 +185,7 @@ def acceptance_cases(v: int, n: int) -> dict[str, Callable[[], object]]:
         "sampled none": lambda: read(accept_sampled(probs, draft, None, None, key)),
         "mlx-lm sampled": lambda: _mlx_lm_sampled(logits, draft),
     }
-    if fused.available():
+    if kernels.available():
         cases["fused greedy"] = lambda: read(accept_greedy(logits, draft, fused=True))
         cases["fused sampled q"] = lambda: read(
             accept_sampled(probs, draft, q, None, key, fused=True)

@@ -37,7 +37,7 @@ from mlx_lm.generate import GenerationResponse, generation_stream, wired_limit
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import fused as fused_kernels
+from . import kernels
 from ._checks import check_key, describe
 from .acceptance import INVALID_ROW
 from .caches import ModelCache, check_caches, decode_masks
@@ -218,7 +218,7 @@ class _Generation:
         self.eos_set = set(eos)
         self.eos_array = mx.array(eos, dtype=mx.uint32) if eos else None
         # The fused kernels where MLX runs on CUDA (the loop never vmaps).
-        self.fused = fused_kernels.available()
+        self.fused = kernels.available()
         self.key = key
         self.stats = stats
         self.prompt_cache = prompt_cache

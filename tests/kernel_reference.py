@@ -1,6 +1,6 @@
 """A stand-in for the fused CUDA kernels on machines without CUDA.
 
-``reference_launch`` has the signature of ``mlx_spec.fused.launch`` and runs the composition on
+``reference_launch`` has the signature of ``mlx_spec.kernels.launch`` and runs the composition on
 exactly what a kernel would be handed (stand-ins for a missing draft or eos, the sampled path's
 uniforms), so the plumbing of ``fused=True`` is tested wherever the suite runs.
 """

@@ -1,4 +1,4 @@
-"""The fused CUDA kernels (``mlx_spec.fused``): their contract everywhere, their results on a GPU.
+"""The fused CUDA kernels (``mlx_spec.kernels``): their contract everywhere, their results on a GPU.
 
 Everywhere, the kernel launch is swapped for a reference launcher that runs the composition on what
 the kernel is handed (stand-ins for a missing draft or eos, the uniforms drawn from the key), so
@@ -9,6 +9,7 @@ inputs, and the generation tests run them (the generation loop uses them on CUDA
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import mlx.core as mx
@@ -16,9 +17,9 @@ import numpy as np
 import pytest
 from kernel_reference import reference_launch
 
-from mlx_spec import INVALID_ROW, accept_greedy, accept_sampled, fused
+from mlx_spec import INVALID_ROW, accept_greedy, accept_sampled, kernels
 
-on_cuda = pytest.mark.skipif(not fused.available(), reason="needs MLX's CUDA backend and a GPU")
+on_cuda = pytest.mark.skipif(not kernels.available(), reason="needs MLX's CUDA backend and a GPU")
 
 
 def ids(*tokens: int, dtype: mx.Dtype = mx.uint32) -> mx.array:
@@ -41,8 +42,8 @@ def launches(
         calls.append((name, inputs, dict(template)))
         return reference_launch(name, inputs, template)
 
-    monkeypatch.setattr(fused, "launch", recorded)
-    monkeypatch.setattr(fused, "available", lambda stream=None: True)
+    monkeypatch.setattr(kernels, "launch", recorded)
+    monkeypatch.setattr(kernels, "available", lambda stream=None: True)
     # Uncompiled, every call builds (and records) its launch from the arrays it is given.
     mx.disable_compile()
     yield calls
@@ -63,6 +64,18 @@ def case(n: int, v: int, seed: int) -> dict[str, mx.array]:
     return {"logits": logits, "probs": probs, "q": q, "draft": draft}
 
 
+@pytest.mark.parametrize("name", ["greedy_slices", "greedy_decide", "sampled"])
+def test_each_launch_finds_the_functions_it_calls_in_its_header(name: str) -> None:
+    # The sources are package data read through importlib.resources: a launch whose header lost
+    # a function would only fail to compile on a GPU.
+    subject, _, _, source = kernels._SOURCES[name]
+    header = kernels.header(subject)
+    called = set(re.findall(r"\b(ms_\w+)\s*(?:<[^>]*>)?\(", source))
+    assert called
+    for function in called:
+        assert re.search(rf"\b(?:void|bool|int|float)\s+{function}\s*\(", header), function
+
+
 def test_fused_needs_the_cuda_backend() -> None:
     c = case(2, 5, 0)
     with pytest.raises(ValueError, match=r"accept_greedy: `fused=True` needs MLX's CUDA backend"):
@@ -74,7 +87,7 @@ def test_fused_needs_the_cuda_backend() -> None:
 
 
 def test_fused_sampled_takes_vocabularies_up_to_2_to_the_24(launches) -> None:
-    probs = mx.zeros((1, fused.MAX_VOCAB + 1))
+    probs = mx.zeros((1, kernels.MAX_VOCAB + 1))
     with pytest.raises(ValueError, match=r"accept_sampled: `fused=True` takes V <= 16777216"):
         accept_sampled(probs, ids(), None, None, mx.random.key(0), fused=True)
     assert launches == []
@@ -112,8 +125,8 @@ def test_fused_greedy_builds_its_launches_once_per_shape(monkeypatch) -> None:
         built.append(name)
         return reference_launch(name, inputs, template)
 
-    monkeypatch.setattr(fused, "launch", recorded)
-    monkeypatch.setattr(fused, "available", lambda stream=None: True)
+    monkeypatch.setattr(kernels, "launch", recorded)
+    monkeypatch.setattr(kernels, "available", lambda stream=None: True)
     for seed in range(4):
         c = case(6, 23, seed)
         got = accept_greedy(c["logits"], c["draft"], ids(5), fused=True)

@@ -24,7 +24,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.sample_utils import make_sampler as lm_make_sampler
 
-from mlx_spec import fused
+from mlx_spec import kernels
 from mlx_spec.acceptance import accept_sampled, read
 from mlx_spec.generation import SpeculativeStats, speculative_generate_step
 from mlx_spec.sampling import make_sampler
@@ -262,14 +262,14 @@ def test_loop_verifies_with_the_fused_kernels_where_they_run(monkeypatch, target
     launched = []
     # On CUDA the real kernels run (so the tokens are the kernels' on both runs); elsewhere the
     # launcher that runs the composition on the kernels' inputs.
-    launcher = fused.launch if fused.available() else reference_launch
+    launcher = kernels.launch if kernels.available() else reference_launch
 
     def recorded(name, inputs, template):
         launched.append(name)
         return launcher(name, inputs, template)
 
-    monkeypatch.setattr(fused, "launch", recorded)
-    monkeypatch.setattr(fused, "available", lambda stream=None: True)
+    monkeypatch.setattr(kernels, "launch", recorded)
+    monkeypatch.setattr(kernels, "available", lambda stream=None: True)
     # Uncompiled, every round builds its launch (a compiled graph is traced once per shape, and on
     # CUDA the first run traced it already).
     mx.disable_compile()

@@ -25,9 +25,9 @@ from oracle import (
     oracle_sampled,
 )
 
-from mlx_spec import accept_greedy, accept_sampled, fused
+from mlx_spec import accept_greedy, accept_sampled, kernels
 
-ON_CUDA = fused.available()
+ON_CUDA = kernels.available()
 
 
 def _examples(n: int) -> int:
