@@ -7,18 +7,17 @@ decides in a second, one-block launch. The alternatives are timed as plain calls
 two launches uncompiled (``two launches, plain``):
 
 - ``one block``, shipped before: one 1024-thread block reads row 0, 1, ... and stops at the first
-  mismatch. It reads only ``accepted + 1`` rows, but at the bandwidth of one multiprocessor (on an
-  H200 at V = 152064: 0.126 ms at N = 4, 0.171 ms at N = 16, against 0.118 ms for PyTorch).
+  mismatch. It reads only ``accepted + 1`` rows, but at the bandwidth of one multiprocessor.
 - ``last block``, one launch: the blocks of the first launch take a ticket from an atomic counter
   and the last to finish decides. MLX must first zero the counter (``init_value``, a fill before
-  the kernel). On an H200 it was erratic: at N = 8 and 16, 0.104 to 0.139 ms in most runs (two
-  launches: 0.09 to 0.27 ms) but 0.19 to 0.97 ms in one; at N = 4, 0.19 to 0.45 ms.
+  the kernel), so the GPU still runs two.
 - ``ring``, one launch without the fill: 1024 counters zeroed once, each call takes the next, and
-  the launch's last block zeroes it again. On an H200 it beat two plain launches in 5 of 6 readings
-  (0.062 to 0.179 ms against 0.087 to 0.256). It is not shipped: under a caller's ``mx.compile``
-  the counter becomes a constant, so two verifications evaluated together could share it and
-  decide wrongly. (A counter made on the host for each call instead lives in managed memory, and
-  the blocks' atomics on it cost 0.36 to 1.0 ms.)
+  the launch's last block zeroes it again. It is not shipped: under a caller's ``mx.compile`` the
+  counter becomes a constant, so two verifications evaluated together could share it and decide
+  wrongly. (A counter made on the host for each call instead lives in managed memory, where the
+  blocks' atomics are slow.)
+
+What each measured, and when, is in ``docs/performance.md``.
 
 The script first asks MLX how it reads ``grid`` (threads or blocks; the kernels assume threads and
 stay right either way), checks the kernels against the composition (``fused=False``) on the cases

@@ -205,8 +205,7 @@ def accept_greedy(
 @_compile_per_thread
 def _fused_greedy_graph(logits: mx.array, draft: mx.array, eos: mx.array) -> mx.array:
     """The two greedy launches, compiled: a call replays the graph traced for its shapes instead
-    of building both launches again (on an H200, 5 to 12 us of host time per call against 9 to
-    14 us, in two runs: docs/performance.md)."""
+    of building both launches again on the host."""
     return kernels.greedy(logits, draft, eos)
 
 
@@ -216,8 +215,8 @@ def _greedy_graph(on_cpu: bool) -> Callable[..., mx.array]:
     shape)."""
 
     def greedy(logits: mx.array, draft: mx.array, eos: mx.array | None) -> mx.array:
-        # MLX's CPU backend reduces half precision about 2x slower than it casts and reduces
-        # float32; the cast is exact, so the argmax is unchanged.
+        # MLX's CPU backend reduces half precision slower than it casts and reduces float32; the
+        # cast is exact, so the argmax is unchanged.
         rows = logits.astype(mx.float32) if on_cpu else logits
         choice = mx.argmax(rows, axis=-1)
         # argmax returns the index of a NaN when the row has one: one gather per row finds them.
@@ -248,8 +247,8 @@ def _table(x: mx.array, blocks: int) -> mx.array:
     """``[V]`` as ``[ceil(V / blocks), blocks]``, zero-padded: block ``b`` is column ``b``.
 
     Any fixed order of the tokens gives an exact inverse-CDF draw, and strided blocks make the
-    block sums a reduction over the leading axis, which MLX's CPU backend runs about 3x faster
-    than one over the last axis.
+    block sums a reduction over the leading axis, which MLX's CPU backend runs faster than one
+    over the last axis.
     """
     v = x.shape[0]
     depth = -(-v // blocks)
@@ -485,7 +484,7 @@ def read(result: mx.array) -> Verdict | list:
     if result.dtype != mx.uint32:
         raise ValueError(f"read: `result` must be [..., 3] uint32, got {describe(result)}")
     if result.ndim == 1:
-        # tolist: on an H200 (MLX's CUDA backend) about 0.02 ms less per read than a NumPy copy.
+        # One [3] result: tolist costs less host time than a NumPy copy (docs/performance.md).
         accepted, token, eos_hit = result.tolist()
         if token >= INVALID_ROW:
             raise _invalid_row(token - INVALID_ROW, ())

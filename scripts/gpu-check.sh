@@ -7,20 +7,21 @@
 # the PyTorch peer) at V = 152064, N = 4, 8, 16, one process per N (in one process the
 # configurations measured later read slower), MLX's cost per evaluation (benchmarks/overhead.py)
 # and the greedy kernels compared (benchmarks/fused_greedy.py). The tests' summary line comes last.
-# On an H200 the suite takes 6 to 7 minutes and the benchmarks about 3: where one call may run
-# 10 minutes, make two (--no-bench, then --bench-only).
-# Run from the repo root after MLX's CUDA build is installed (../shared/tools/mlx-cuda/README.md).
+# Where one call has a time limit, run the tests and the benchmarks in two calls (--no-bench, then
+# --bench-only).
+# Run from the repo root with MLX's CUDA build importable (installed, or on PYTHONPATH, which the
+# script extends with the repo root).
 # Output: $OUT (or /tmp/gpu-check): tests.log (the verbose log), kernels.txt, acceptance.txt,
 # acceptance-N.json, overhead.txt, fused_greedy.txt.
 # Usage: bash scripts/gpu-check.sh [--no-bench | --bench-only] [--limit SECONDS] [--jobs J]
 #                                  [TEST_FILE ...]
 #   (no files: every tests/test_*.py; --limit: for the tests, default 480, and three quarters of it
-#   for one test: the slowest, a hypothesis test of many small shapes, took 197 and 231 s on an
-#   H200; --jobs: worker processes, default 14)
+#   for one test, since the slowest, a hypothesis test of many small shapes, compiles a kernel for
+#   each; --jobs: worker processes, default 14)
 set -uo pipefail
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
-export PYTHONPATH=/tmp/mlx-site:/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # Kernels compiled at run time (NVRTC) are kept for the other workers and the benchmarks.
 export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx-cache}
 python3 -c "import mlx.core as mx; assert mx.default_device() == mx.gpu, mx.default_device(); print('MLX', mx.__version__, mx.default_device())" || exit 1

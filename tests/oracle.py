@@ -1,7 +1,7 @@
 """A plain-loop NumPy oracle for speculative acceptance, written from the specification.
 
-It follows the text of issue 2 and ``shared/reference/speculative.rs`` position by position, in
-float64, and takes the acceptance uniforms explicitly, so a test can feed it the uniforms that
+It follows the specification (``docs/acceptance.md``) position by position, in float64, and
+takes the acceptance uniforms explicitly, so a test can feed it the uniforms that
 :func:`mlx_spec.accept_sampled` derives from its key. It shares no code with ``mlx_spec``.
 
 Semantics, for a draft ``d`` of ``N`` tokens and rows ``0..N``:

@@ -161,9 +161,9 @@ class Shape:
 
 ALL_N = tuple(range(17))
 ALL_VOCABS = (1, 2, 3, 5, 8, 13, 31, 64, 127, 256, 257, 1000, 1023, 2048, 3001, 4096)
-# Both functions are compiled per shape (accept_greedy per N and id dtypes, about 0.4 s each on
-# this CPU the first time; accept_sampled per N, V, E and dtypes, 1 to 4 s each), so the default
-# run keeps to a few shapes; the --full run sweeps every N (and, sampled, 16 vocabulary sizes).
+# Both functions are compiled per shape (accept_greedy per N and id dtypes; accept_sampled per N,
+# V, E and dtypes), and each compile costs far more than a call, so the default run keeps to a few
+# shapes; the --full run sweeps every N (and, sampled, 16 vocabulary sizes).
 FEW_N = (0, 1, 2, 9, 16)
 FEW_VOCABS = (1, 2, 7, 100, 1023, 4096)
 
