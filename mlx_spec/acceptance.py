@@ -486,22 +486,34 @@ def read(result: mx.array) -> Verdict | list:
     if result.ndim == 1:
         # One [3] result: tolist costs less host time than a NumPy copy (docs/performance.md).
         accepted, token, eos_hit = result.tolist()
-        if token >= INVALID_ROW:
-            raise _invalid_row(token - INVALID_ROW, ())
+        check_next("read", token)
         return accepted, token, bool(eos_hit)
     values = np.array(result)
     flagged = values[..., 1] >= INVALID_ROW
     if flagged.any():
         where = tuple(int(i) for i in np.unravel_index(np.argmax(flagged), flagged.shape))
-        raise _invalid_row(int(values[where][1]) - INVALID_ROW, where)
+        check_next("read", int(values[where][1]), where)
     return _verdicts(values)
 
 
-def _invalid_row(position: int, where: tuple[int, ...]) -> ValueError:
+def check_next(op: str, token: int, where: tuple[int, ...] = ()) -> None:
+    """Raises if ``token``, the ``next`` of a result as read, carries :data:`INVALID_ROW`.
+
+    Args:
+        op (str): the function to name in the message.
+        token (int): ``next`` of one result.
+        where (tuple[int, ...], optional): the result's batch index. Default: none.
+
+    Raises:
+        ValueError: the row that decided the result was invalid; the message names ``op``, the
+            row's position and ``where``.
+    """
+    if token < INVALID_ROW:
+        return
     batch = f" (batch index {', '.join(map(str, where))})" if where else ""
-    return ValueError(
-        f"read: the verification row at position {position}{batch} decided the result but is "
-        "invalid: NaN in the logits, or NaN, infinite or no mass in the probabilities"
+    raise ValueError(
+        f"{op}: the verification row at position {token - INVALID_ROW}{batch} decided the result "
+        "but is invalid: NaN in the logits, or NaN, infinite or no mass in the probabilities"
     )
 
 

@@ -39,7 +39,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import kernels
 from ._checks import check_key, describe
-from .acceptance import INVALID_ROW
+from .acceptance import check_next
 from .caches import ModelCache, check_caches, decode_masks
 from .distributed import agree_key, model_group
 from .draft_length import MAX_DRAFT_TOKENS, DraftLength
@@ -258,12 +258,7 @@ class _Generation:
         parts = [result, draft.tokens] + ([shadow.tokens] if shadow is not None else [])
         values = mx.concatenate(parts).tolist()  # the round's one host read
         accepted, token = values[0], values[1]
-        if token >= INVALID_ROW:
-            raise ValueError(
-                "speculative_generate_step: the target's verification row at position "
-                f"{token - INVALID_ROW} decided the result but is invalid: NaN in the logits, or "
-                "NaN, infinite or no mass in the probabilities"
-            )
+        check_next("speculative_generate_step", token)
         tokens = values[3 : 3 + accepted]
         if not (tokens and tokens[-1] in self.eos_set):
             tokens.append(token)

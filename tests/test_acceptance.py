@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from mlx_spec import INVALID_ROW, accept_greedy, accept_sampled, read
+from mlx_spec.acceptance import check_next
 
 NAN = float("nan")
 
@@ -284,6 +285,14 @@ def test_nan_in_a_batch_names_the_batch_index():
     results = mx.vmap(lambda x: accept_greedy(x, ids(0)))(mx.stack([good, bad]))
     with pytest.raises(ValueError, match=r"position 0 \(batch index 1\)"):
         read(results)
+
+
+def test_check_next_names_the_function_the_position_and_the_batch_index():
+    check_next("op", INVALID_ROW - 1)  # a token id: nothing to report
+    with pytest.raises(ValueError, match=r"^op: the verification row at position 3 decided"):
+        check_next("op", INVALID_ROW + 3)
+    with pytest.raises(ValueError, match=r"^op: .* position 0 \(batch index 2, 1\)"):
+        check_next("op", INVALID_ROW, (2, 1))
 
 
 def test_next_is_in_vocabulary_even_when_the_read_reports():

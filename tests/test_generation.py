@@ -235,6 +235,14 @@ def test_bad_arguments_raise_value_error(target, drafts, kwargs, match) -> None:
         speculative_generate_step(prompt, target, drafts["truncated"], **kwargs)
 
 
+def test_an_invalid_verification_row_raises_naming_its_position(target, drafts) -> None:
+    def nan_logits(tokens: mx.array, logits: mx.array) -> mx.array:
+        return logits * mx.nan
+
+    with pytest.raises(ValueError, match=r"^speculative_generate_step: .* at position 0 decided"):
+        run(PROMPT, target, drafts["self"], max_tokens=4, logits_processors=[nan_logits])
+
+
 def test_same_key_same_tokens_and_seed_works(target, drafts) -> None:
     sampler = make_sampler(temp=1.0)
     args = (PROMPT, target, drafts["truncated"])
