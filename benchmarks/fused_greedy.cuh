@@ -1,10 +1,10 @@
 // The alternatives to the shipped greedy kernels that benchmarks/fused_greedy.py times, compiled
 // after the shipped greedy header (mlx_spec.kernels.header("greedy")).
 
-// Argmax of one row by the whole block, and whether the row holds a NaN (then the index is
-// meaningless). 16-byte loads when the row is aligned.
+// Argmax of one row by the whole block, and whether the row is invalid: a NaN, or a maximum of
+// +inf or -inf (then the index is meaningless). 16-byte loads when the row is aligned.
 template <typename T>
-__device__ void ms_row_argmax(const T* row, int V, uint32_t& index, bool& has_nan) {
+__device__ void ms_row_argmax(const T* row, int V, uint32_t& index, bool& invalid) {
   __shared__ float s_best[32];
   __shared__ uint32_t s_at[32];
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
@@ -35,15 +35,16 @@ __device__ void ms_row_argmax(const T* row, int V, uint32_t& index, bool& has_na
   }
   ms_warp_max(best, at);
   if (lane == 0) { s_best[warp] = best; s_at[warp] = at; }
-  has_nan = __syncthreads_or(nan);
+  nan = __syncthreads_or(nan);
   if (warp == 0) {
     best = s_best[lane];
     at = s_at[lane];
     ms_warp_max(best, at);
-    if (lane == 0) s_at[0] = at;
+    if (lane == 0) { s_best[0] = best; s_at[0] = at; }
   }
   __syncthreads();
   index = s_at[0];
+  invalid = nan || !isfinite(s_best[0]);
   __syncthreads();
 }
 
@@ -55,11 +56,11 @@ __device__ void ms_greedy(const T* logits, const D* draft, const ET* eos, uint32
   bool eos_in_draft = false;
   for (int r = 0; r <= N; ++r) {
     uint32_t choice;
-    bool nan;
-    ms_row_argmax<T>(logits + (size_t)r * V, V, choice, nan);
+    bool invalid;
+    ms_row_argmax<T>(logits + (size_t)r * V, V, choice, invalid);
     const uint32_t d = r < N ? (uint32_t)draft[r] : 0u;
     const bool d_is_eos = r < N && ms_is_eos<ET>(d, eos, E);
-    if (!ms_greedy_row(r, N, choice, nan, d, d_is_eos, accepted, token, eos_in_draft)) break;
+    if (!ms_greedy_row(r, N, choice, invalid, d, d_is_eos, accepted, token, eos_in_draft)) break;
   }
   if (threadIdx.x == 0) ms_write<ET>(out, accepted, token, eos_in_draft, eos, E);
 }

@@ -2,7 +2,9 @@
 
 Every check reads shapes and dtypes only (never values), so it is free, works on lazy arrays and
 under ``mx.vmap`` and ``mx.compile``, and its error names the function, the argument, its shape
-and its dtype. :func:`device_type` resolves the ops' ``stream`` argument.
+and its dtype. :func:`device_type` resolves the ops' ``stream`` argument. What cannot be checked
+without reading values is checked inside the acceptance graphs (and the kernels) and reported
+through :data:`INVALID_ROW`; the two constants of that contract live here, where both see them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,19 @@ StreamOrDevice = mx.Stream | mx.Device | mx.DeviceType | None
 
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 ID_DTYPES = (mx.uint32, mx.int32)
+
+#: ``next`` carries this bit when the row that decided the result was invalid (logits without a
+#: finite maximum; probabilities that are not a distribution); the low bits hold its position.
+INVALID_ROW = 1 << 31
+
+#: How far from 1 the total of a sampled row may be before the row is invalid: ``2**-6``. Rounding
+#: the entries of a row that sums to 1 to bfloat16 moves its total by at most ``2**-8`` (each entry
+#: by at most ``2**-8`` of itself); to float16 by at most ``2**-11 + V * 2**-25`` (relative
+#: rounding, plus the absolute rounding of entries below float16's normal range), 0.0083 for
+#: ``V = 2**18``; the float32 block sums that compute the total add less than ``1e-3`` up to
+#: ``V = 2**24``. ``2**-6`` (0.0156) is about twice the worst of these, is exact in every float
+#: dtype, and still flags a row that sums to 0.98 or 1.02.
+MASS_TOLERANCE = 2.0**-6
 
 
 def describe(a: mx.array) -> str:

@@ -25,6 +25,8 @@ import numpy as np
 
 from . import kernels
 from ._checks import (
+    INVALID_ROW,
+    MASS_TOLERANCE,
     StreamOrDevice,
     check_draft_probs,
     check_eos,
@@ -36,10 +38,6 @@ from ._checks import (
 )
 
 Verdict = tuple[int, int, bool]
-
-#: ``next`` carries this bit when the row that decided the result was not a valid row (a NaN in the
-#: logits; NaN, infinite or no mass in the probabilities); the low bits hold that row's position.
-INVALID_ROW = 1 << 31
 
 
 @contextmanager
@@ -166,6 +164,11 @@ def accept_greedy(
     ties); ``next`` is the argmax of row ``accepted``. The emitted tokens are exactly the target's
     greedy decoding.
 
+    A row decides only when its maximum is finite: a row with a NaN, a ``+inf`` (an overflow,
+    which loses which token is largest) or only ``-inf`` rejects its draft token and, if it is
+    row ``accepted``, is reported through :data:`INVALID_ROW`. The check reads only the one
+    value per row that the argmax picks.
+
     Args:
         logits (array): ``[N + 1, V]`` float32, float16 or bfloat16 target logits (or any scores
             with the same argmax), any strides: ``out[0, -(N + 1):]`` of a ``[1, L, V]`` output,
@@ -182,7 +185,7 @@ def accept_greedy(
 
     Returns:
         array: lazy ``[3]`` uint32 ``[accepted, next, eos_hit]``; read it with :func:`read`, which
-        raises if a NaN decided the result.
+        raises if row ``accepted`` has no finite maximum.
 
     Raises:
         ValueError: an argument has the wrong rank, dtype or length, or ``fused=True`` where
@@ -219,8 +222,11 @@ def _greedy_graph(on_cpu: bool) -> Callable[..., mx.array]:
         # cast is exact, so the argmax is unchanged.
         rows = logits.astype(mx.float32) if on_cpu else logits
         choice = mx.argmax(rows, axis=-1)
-        # argmax returns the index of a NaN when the row has one: one gather per row finds them.
-        invalid = mx.isnan(mx.take_along_axis(rows, choice[:, None], axis=-1)[:, 0])
+        # A row decides only when its maximum is finite: argmax returns the index of a NaN when the
+        # row has one, and a maximum of +inf (an overflow: which of the overflowed tokens is
+        # largest is lost) or of -inf (no token allowed) picks a token that means nothing. One
+        # gather per row finds them.
+        invalid = ~mx.isfinite(mx.take_along_axis(rows, choice[:, None], axis=-1)[:, 0])
         n = draft.shape[0]
         draft = _uint32(draft)
         ok = mx.logical_and(draft == choice[:n], ~invalid[:n])
@@ -257,35 +263,56 @@ def _table(x: mx.array, blocks: int) -> mx.array:
     return x.reshape(depth, blocks)
 
 
+def _in_unit(x: mx.array) -> mx.array:
+    """``[...]`` bool: whether each of ``x`` is in ``[0, 1]`` (false for NaN)."""
+    return mx.logical_and(x >= 0, x <= 1)
+
+
+def _residual(p: mx.array, q: mx.array, rejected: mx.array) -> mx.array:
+    """``max(p - q, 0)`` (NaN kept), or ``p`` when not ``rejected``; NaN where a subtracted
+    ``q`` entry is outside ``[0, 1]``, so a draft row that is not a distribution poisons the
+    residual's sums."""
+    q = mx.where(rejected, _float32(q), 0.0)
+    # Nested selects rather than logical_and: MLX's compiled CPU kernels are slow on boolean
+    # intermediates over a whole row.
+    return mx.where(q >= 0, mx.where(q <= 1, mx.maximum(p - q, 0.0), mx.nan), mx.nan)
+
+
 def _draw_residual(
     p_row: mx.array,
     q_row: mx.array | None,
-    q_scale: mx.array | None,
+    rejected: mx.array | None,
     removed: mx.array | None,
     u: mx.array,
 ) -> tuple[mx.array, mx.array]:
-    """Draws an index from ``norm(max(p - q, 0))``, or from ``p`` when that has no mass.
+    """Draws an index from ``norm(max(p - q, 0))``, or from ``p`` when that has no mass, and
+    checks the row drawn from.
 
     A two-level inverse CDF: block sums locate the block, a scan of that block locates the
     index, so one uniform is drawn and no scan runs over the whole vocabulary. For a point-mass
     ``q`` the residual is ``p`` without the ``removed`` token, so it costs one pass, not three.
 
+    The checks use the block sums the draw computes anyway: ``p``'s total must be within
+    :data:`MASS_TOLERANCE` of 1, and a negative, NaN or infinite entry of ``p`` makes that total
+    NaN or infinite; a subtracted ``q`` entry outside ``[0, 1]`` makes the residual's total NaN.
+
     Args:
         p_row (array): ``[V]`` float32 target distribution.
-        q_row (array, optional): ``[V]`` draft distribution to subtract, times ``q_scale``.
-        q_scale (array, optional): ``[]`` float32 factor of ``q_row`` (0 after a full accept),
-            applied inside the fused residual rather than in a pass of its own.
+        q_row (array, optional): ``[V]`` draft distribution to subtract when ``rejected``.
+        rejected (array, optional): ``[]`` bool, whether ``q_row`` is subtracted (not after a
+            full accept), chosen inside the fused residual rather than in a pass of its own.
         removed (array, optional): ``[]`` uint32 token whose mass is removed instead (no token
             when ``>= V``).
         u (array): ``[]`` float32 uniform in ``[0, 1)``.
 
     Returns:
-        tuple[array, array]: ``[]`` uint32 index in ``[0, V)`` with positive weight; ``[]`` bool,
-        true when the distribution drawn from is invalid (NaN, infinite or without mass).
+        tuple[array, array]: ``[]`` uint32 index in ``[0, V)``; ``[]`` bool, true when the row
+        is invalid (then the index means nothing).
     """
     v = p_row.shape[0]
     blocks = _block_count(v)
-    p = _table(p_row, blocks)
+    # A negative entry becomes NaN: it poisons its block's sum, and so p's total.
+    p = _table(mx.where(p_row < 0, mx.nan, p_row), blocks)
     depth = p.shape[0]
     p_sums = p.sum(axis=0)
     q = None if q_row is None else _table(q_row, blocks)
@@ -293,21 +320,22 @@ def _draw_residual(
     def residual_block(b: mx.array) -> mx.array:
         block = mx.take(p, b, axis=1)
         if q is not None:
-            return mx.maximum(block - q_scale * mx.take(q, b, axis=1), 0.0)
+            return _residual(block, mx.take(q, b, axis=1), rejected)
         if removed is not None:
             hit = mx.logical_and(_iota(depth) == removed // blocks, b == removed % blocks)
             return mx.where(hit, 0.0, block)
         return block
 
     if q is not None:
-        r_sums = mx.maximum(p - q_scale * q, 0.0).sum(axis=0)
+        r_sums = _residual(p, q, rejected).sum(axis=0)
     elif removed is not None:
         # Only the removed token's block changes: sum it again without that token.
         own = removed % blocks
         r_sums = mx.where(_iota(blocks) == own, residual_block(own).sum(), p_sums)
     else:
         r_sums = p_sums
-    use_p = ~(r_sums.sum() > 0)
+    r_total = r_sums.sum()
+    use_p = ~(r_total > 0)
     cum = mx.cumsum(mx.where(use_p, p_sums, r_sums))
     total = cum[-1]
     # Strictly below the total, so the block found has mass.
@@ -320,7 +348,9 @@ def _draw_residual(
     # the last index with mass, the first maximum of the scan.
     j = mx.where(j >= depth, mx.argmax(scan).astype(mx.uint32), j)
     index = mx.minimum(b + blocks * j, v - 1)
-    return index, mx.logical_or(~mx.isfinite(total), ~(total > 0))
+    # A valid p has a positive, finite total, and so has the residual when it is drawn from.
+    off = ~(mx.abs(p_sums.sum() - 1) <= MASS_TOLERANCE)
+    return index, mx.logical_or(off, mx.isnan(r_total))
 
 
 def accept_sampled(
@@ -346,9 +376,22 @@ def accept_sampled(
     The drafter must sample its tokens with keys independent of ``key``: shared randomness biases
     the output towards the draft.
 
+    The values the decision reads are checked where they are read, without a pass of their own:
+
+    - ``p_i(d_i)`` and ``q_i(d_i)``, read by the ratio test of a draft token in the vocabulary,
+      must be in ``[0, 1]``: otherwise (NaN, a log-probability, ...) the token is rejected;
+    - the row ``next`` is drawn from, ``a = accepted``: ``p_a`` must hold no NaN and no negative
+      entry and have a total within :data:`MASS_TOLERANCE` of 1 (an infinite entry fails it),
+      and, after a rejection or an EOS cut, every entry of the subtracted ``q_a`` must be in
+      ``[0, 1]``.
+
+    When position ``a`` fails any of these, ``next`` is :data:`INVALID_ROW` plus ``a``. Not
+    checked: the rows after ``a``, the rows before it except at their draft tokens, and the
+    total of any ``draft_probs`` row.
+
     Args:
         probs (array): ``[N + 1, V]`` float32, float16 or bfloat16 target distributions (after
-            temperature and filters; rows sum to 1), any strides.
+            temperature and filters; rows sum to 1 within :data:`MASS_TOLERANCE`), any strides.
         draft (array): ``[N]`` uint32 or int32 draft tokens, ``N >= 0``. An id outside
             ``[0, V)`` is rejected.
         draft_probs (array, optional): ``[N, V]`` float32, float16 or bfloat16 distributions the
@@ -366,7 +409,7 @@ def accept_sampled(
 
     Returns:
         array: lazy ``[3]`` uint32 ``[accepted, next, eos_hit]``; read it with :func:`read`, which
-        raises if the row that decided ``next`` holds NaN or infinity or has no mass.
+        raises if position ``accepted`` failed a check above.
 
     Raises:
         ValueError: an argument has the wrong rank, dtype, shape or length, or ``fused=True``
@@ -423,17 +466,23 @@ def sampled_from_uniforms(
     draft = _uint32(draft)
     safe = mx.minimum(draft, v - 1)[:, None]
     p_draft = _float32(mx.take_along_axis(probs[:n], safe, axis=-1)[:, 0])
+    # The values a ratio test reads at a draft token must be probabilities: a position that reads
+    # one outside [0, 1] (NaN, a log-probability, ...) is not accepted, and is reported if it
+    # decides. An id outside the vocabulary reads nothing and is rejected.
+    in_vocab = draft < v
+    valid = _in_unit(p_draft)
     if q is None:
         ok = u < p_draft
     else:
         q_draft = _float32(mx.take_along_axis(q, safe, axis=-1)[:, 0])
+        valid = mx.logical_and(valid, _in_unit(q_draft))
         ok = u * q_draft < p_draft
-    accepted, eos_in_draft = _accepted(mx.logical_and(ok, draft < v), draft, eos)
+    ok = mx.logical_and(mx.logical_and(ok, valid), in_vocab)
+    accepted, eos_in_draft = _accepted(ok, draft, eos)
     token, bad = _next_token(probs, q, draft, accepted, uniforms[n])
-    if q is None and n:
-        # The residual drops the draft token, so a NaN there is caught here, not by the draw.
-        nan_draft = mx.isnan(mx.take(p_draft, mx.minimum(accepted, n - 1)))
-        bad = mx.logical_or(bad, mx.logical_and(accepted < n, nan_draft))
+    if n:
+        misread = mx.take(mx.logical_and(in_vocab, ~valid), mx.minimum(accepted, n - 1))
+        bad = mx.logical_or(bad, mx.logical_and(accepted < n, misread))
     token = mx.where(bad, accepted + INVALID_ROW, token)
     return _result(accepted, eos_in_draft, token, eos)
 
@@ -446,7 +495,7 @@ def _next_token(
     u: mx.array,
 ) -> tuple[mx.array, mx.array]:
     """``next`` (``[]`` uint32) drawn with uniform ``u`` from the residual of row ``accepted``,
-    and its validity."""
+    and whether that row is invalid."""
     n = draft.shape[0]
     p_row = _float32(mx.take(probs, accepted, axis=0))
     if n == 0:
@@ -457,9 +506,8 @@ def _next_token(
         # A point mass on the draft token: the residual is p without that token.
         removed = mx.where(rejected, mx.take(draft, last), 0xFFFFFFFF)
         return _draw_residual(p_row, None, None, removed, u)
-    # After a full accept the draw is from p_N: q is scaled by 0 inside the residual.
-    q_row = mx.take(q, last, axis=0)
-    return _draw_residual(p_row, q_row, rejected.astype(mx.float32), None, u)
+    # After a full accept the draw is from p_N: q is not subtracted.
+    return _draw_residual(p_row, mx.take(q, last, axis=0), rejected, None, u)
 
 
 def read(result: mx.array) -> Verdict | list:
@@ -475,7 +523,7 @@ def read(result: mx.array) -> Verdict | list:
 
     Raises:
         ValueError: ``result`` is not ``[..., 3]`` uint32, or the row that decided a result was
-            invalid (NaN logits; NaN, infinite or massless probabilities): the message names the
+            invalid (see :func:`accept_greedy` and :func:`accept_sampled`): the message names the
             position, and the batch index for a batched result.
     """
     if not isinstance(result, mx.array) or result.ndim < 1 or result.shape[-1] != 3:
@@ -513,7 +561,8 @@ def check_next(op: str, token: int, where: tuple[int, ...] = ()) -> None:
     batch = f" (batch index {', '.join(map(str, where))})" if where else ""
     raise ValueError(
         f"{op}: the verification row at position {token - INVALID_ROW}{batch} decided the result "
-        "but is invalid: NaN in the logits, or NaN, infinite or no mass in the probabilities"
+        "but is invalid: logits with a NaN, a +inf or only -inf, or probabilities that are not a "
+        "distribution (a NaN or negative entry, a total off 1, a value read outside [0, 1])"
     )
 
 

@@ -7,13 +7,19 @@ takes the acceptance uniforms explicitly, so a test can feed it the uniforms tha
 Semantics, for a draft ``d`` of ``N`` tokens and rows ``0..N``:
 
 - draft token ``i`` is accepted when it is a vocabulary id (``0 <= d_i < V``) and, greedy, it is
-  the first maximal index of row ``i``; sampled, ``u_i * q_i(d_i) < p_i(d_i)`` with
+  the first maximal index of row ``i``, a row with a finite maximum and no NaN; sampled,
+  ``p_i(d_i)`` and ``q_i(d_i)`` are in ``[0, 1]`` and ``u_i * q_i(d_i) < p_i(d_i)``, with
   ``q_i(d_i) = 1`` for deterministic drafts;
 - ``accepted`` is the longest accepted prefix, cut right after the first accepted EOS token;
 - ``next``: greedy, the first maximal index of row ``accepted``; sampled, a draw from
   ``norm(max(p_a - q_a, 0))`` (``p_a`` itself when that has no mass) when ``a = accepted < N``
   (after a rejection or an EOS cut), or from ``p_N`` when the whole draft was accepted;
-- ``eos_hit``: an accepted draft token or ``next`` is an EOS id.
+- ``next`` is ``INVALID_ROW + accepted`` instead when row ``accepted`` is invalid: greedy, its
+  maximum is not finite or it holds a NaN; sampled, ``p_a`` holds a NaN or a negative entry or
+  its total is more than ``MASS_TOLERANCE`` from 1, or (``a < N``) the draft row ``q_a``
+  holds a value outside ``[0, 1]``, or ``p_a(d_a)`` or ``q_a(d_a)`` is outside ``[0, 1]``;
+- ``eos_hit``: an accepted draft token or ``next`` is an EOS id (an accepted draft token only,
+  when ``next`` is no token).
 """
 
 from collections.abc import Sequence
@@ -21,15 +27,23 @@ from typing import NamedTuple
 
 import numpy as np
 
+#: The bit ``next`` carries for an invalid deciding row (docs/api.md), and the distance from 1
+#: that a sampled row's total may have (docs/acceptance.md).
+INVALID_ROW = 1 << 31
+MASS_TOLERANCE = 2.0**-6
+
 
 class SampledOutcome(NamedTuple):
     """What the sampled oracle decides for given acceptance uniforms.
 
     Attributes:
         accepted (int): the number of accepted draft tokens.
-        row (np.ndarray): ``[V]`` float64, the normalised distribution ``next`` is drawn from.
-        next (int or None): ``next`` drawn from ``row`` by inverse CDF, when ``u_next`` was given.
-        eos_hit (bool or None): the EOS flag for that ``next``, when ``u_next`` was given.
+        row (np.ndarray or None): ``[V]`` float64, the normalised distribution ``next`` is drawn
+            from; ``None`` when row ``accepted`` is invalid.
+        next (int or None): ``next`` drawn from ``row`` by inverse CDF, when ``u_next`` was given;
+            ``INVALID_ROW + accepted`` when the row is invalid.
+        eos_hit (bool or None): the EOS flag for that ``next``, when ``u_next`` was given or the
+            row is invalid.
     """
 
     accepted: int
@@ -52,6 +66,12 @@ def _rows(x: np.ndarray, name: str, shape: tuple[int, int]) -> np.ndarray:
     return rows
 
 
+def has_finite_maximum(row: np.ndarray) -> bool:
+    """Whether a greedy row decides anything: no NaN, and a maximum that is neither +inf (an
+    overflow) nor -inf (no token allowed)."""
+    return not np.isnan(row).any() and bool(np.isfinite(np.max(row)))
+
+
 def first_argmax(row: np.ndarray) -> int:
     """The first index holding the maximum of ``row`` (``[V]``, no NaN)."""
     best = 0
@@ -62,11 +82,13 @@ def first_argmax(row: np.ndarray) -> int:
 
 
 def oracle_eos_hit(
-    draft: Sequence[int], accepted: int, next_token: int, eos: Sequence[int] | None
+    draft: Sequence[int], accepted: int, next_token: int | None, eos: Sequence[int] | None
 ) -> bool:
-    """Whether one of the ``accepted`` first draft tokens, or ``next_token``, is an EOS id."""
+    """Whether one of the ``accepted`` first draft tokens, or ``next_token`` (``None``: no
+    token), is an EOS id."""
     stops = set(_ids(eos))
-    return any(t in stops for t in _ids(draft)[:accepted]) or int(next_token) in stops
+    in_draft = any(t in stops for t in _ids(draft)[:accepted])
+    return in_draft or (next_token is not None and int(next_token) in stops)
 
 
 def oracle_greedy(
@@ -80,7 +102,8 @@ def oracle_greedy(
         eos (sequence of int, optional): ``[E]`` EOS ids, duplicates allowed. Default: none.
 
     Returns:
-        tuple: ``(accepted, next, eos_hit)`` as ``(int, int, bool)``.
+        tuple: ``(accepted, next, eos_hit)`` as ``(int, int, bool)``; ``next`` is
+        ``INVALID_ROW + accepted`` when row ``accepted`` has no finite maximum.
     """
     tokens, eos_ids = _ids(draft), _ids(eos)
     stops = set(eos_ids)
@@ -92,13 +115,22 @@ def oracle_greedy(
     accepted = 0
     for i in range(n):
         token = tokens[i]
+        if not has_finite_maximum(rows[i]):
+            break
         if not 0 <= token < vocab or token != first_argmax(rows[i]):
             break
         accepted += 1
         if token in stops:
             break
+    if not has_finite_maximum(rows[accepted]):
+        return accepted, INVALID_ROW + accepted, oracle_eos_hit(tokens, accepted, None, eos_ids)
     following = first_argmax(rows[accepted])
     return accepted, following, oracle_eos_hit(tokens, accepted, following, eos_ids)
+
+
+def _probability(x: float) -> bool:
+    """Whether ``x`` is in ``[0, 1]`` (not NaN)."""
+    return 0.0 <= x <= 1.0
 
 
 def inverse_cdf(row: np.ndarray, u: float) -> int:
@@ -127,8 +159,8 @@ def oracle_sampled(
     """Sampled (rejection) acceptance for explicit uniforms.
 
     Args:
-        probs (np.ndarray): ``[N + 1, V]`` non-negative target probabilities ``p`` (each row
-            with positive mass; need not sum to exactly 1).
+        probs (np.ndarray): ``[N + 1, V]`` target probabilities ``p``; a row that is not a
+            distribution (see the module's docstring) makes the outcome invalid if it decides.
         draft (sequence of int): ``[N]`` draft ids; ids outside ``[0, V)`` are rejected.
         draft_probs (np.ndarray, optional): ``[N, V]`` drafter probabilities ``q``; ``None``
             for deterministic drafts (a point mass on each draft token).
@@ -138,7 +170,8 @@ def oracle_sampled(
 
     Returns:
         SampledOutcome: ``accepted``, the ``row`` ``next`` is drawn from, and, when ``u_next`` is
-        given, ``next`` and ``eos_hit``.
+        given, ``next`` and ``eos_hit``; for an invalid deciding row, no ``row`` and
+        ``next = INVALID_ROW + accepted``.
     """
     tokens, eos_ids = _ids(draft), _ids(eos)
     stops = set(eos_ids)
@@ -160,10 +193,17 @@ def oracle_sampled(
             point[tokens[i]] = 1.0
         return point
 
+    def misread(i: int) -> bool:
+        """Whether a value the ratio test of position ``i`` reads is not a probability."""
+        token = tokens[i]
+        return 0 <= token < vocab and not (
+            _probability(p[i, token]) and _probability(drafter_row(i)[token])
+        )
+
     accepted = 0
     for i in range(n):
         token = tokens[i]
-        if not 0 <= token < vocab:
+        if not 0 <= token < vocab or misread(i):
             break
         if not u[i] * drafter_row(i)[token] < p[i, token]:
             break
@@ -171,16 +211,28 @@ def oracle_sampled(
         if token in stops:
             break
 
+    target = p[accepted]
+    invalid = (
+        np.isnan(target).any()
+        or (target < 0).any()
+        or not abs(np.sum(target) - 1) <= MASS_TOLERANCE
+        or (
+            accepted < n
+            and (misread(accepted) or not all(map(_probability, drafter_row(accepted))))
+        )
+    )
+    if invalid:
+        following = INVALID_ROW + accepted
+        return SampledOutcome(
+            accepted, None, following, oracle_eos_hit(tokens, accepted, None, eos_ids)
+        )
     if accepted == n:
         row = p[n]
     else:
         row = np.maximum(p[accepted] - drafter_row(accepted), 0.0)
         if not np.sum(row) > 0:
             row = p[accepted]
-    mass = np.sum(row)
-    if not mass > 0:
-        raise ValueError(f"oracle_sampled: row {accepted} of probs has no mass")
-    row = row / mass
+    row = row / np.sum(row)
     if u_next is None:
         return SampledOutcome(accepted, row, None, None)
     following = inverse_cdf(row, u_next)

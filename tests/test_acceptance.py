@@ -287,6 +287,224 @@ def test_nan_in_a_batch_names_the_batch_index():
         read(results)
 
 
+# Rows that are not distributions, and greedy rows without a finite maximum.
+
+# Four-token rows. Row 0 accepts draft token 0 with certainty (p_0(0) = q_0(0) = 1); row 1 reads
+# 0 at draft token 0, so it rejects it and decides (`next` is drawn from it); row 2 is never read.
+CERTAIN = [1.0, 0.0, 0.0, 0.0]
+UNREAD = [0.25, 0.25, 0.25, 0.25]
+DRAFT_TOKENS = (0, 0)
+POINT_MASSES = [CERTAIN, CERTAIN]  # draft_probs: the draft tokens were certain
+
+NOT_DISTRIBUTIONS = {
+    "sum 2": [0.0, 1.0, 0.5, 0.5],
+    "sum 0.5": [0.0, 0.25, 0.125, 0.125],
+    "sum 0.98": [0.0, 0.49, 0.49, 0.0],
+    "sum 1.02": [0.0, 0.51, 0.51, 0.0],
+    "a negative entry, sum 1": [0.0, 0.6, 0.5, -0.1],
+    "+inf": [0.0, math.inf, 0.0, 0.0],
+    "NaN": [0.0, NAN, 0.5, 0.5],
+    "all -inf": [-math.inf] * 4,
+    "log-probabilities": [-math.inf, math.log(0.5), math.log(0.25), math.log(0.25)],
+}
+
+
+def probs_with(row: list[float], dtype: mx.Dtype = mx.float32) -> mx.array:
+    return mx.array([CERTAIN, row, UNREAD]).astype(dtype)
+
+
+def sampled(
+    probs: mx.array, draft_probs: mx.array | None, key: int = 0, draft=DRAFT_TOKENS
+) -> mx.array:
+    return accept_sampled(probs, ids(*draft), draft_probs, None, mx.random.key(key))
+
+
+@pytest.mark.parametrize("row", NOT_DISTRIBUTIONS.values(), ids=NOT_DISTRIBUTIONS.keys())
+@pytest.mark.parametrize("with_q", [False, True], ids=["point masses", "draft_probs"])
+def test_a_deciding_row_that_is_not_a_distribution_is_reported(row, with_q):
+    q = mx.array(POINT_MASSES) if with_q else None
+    for key in range(5):
+        with pytest.raises(ValueError, match=r"^read: the verification row at position 1 decided"):
+            read(sampled(probs_with(row), q, key))
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("name", ["sum 2", "sum 0.5", "a negative entry, sum 1", "+inf"])
+def test_half_precision_rows_that_are_not_distributions_are_reported(dtype, name):
+    q = mx.array(POINT_MASSES).astype(dtype)
+    for draft_probs in (None, q):
+        with pytest.raises(ValueError, match=r"position 1 decided"):
+            read(sampled(probs_with(NOT_DISTRIBUTIONS[name], dtype), draft_probs))
+
+
+@pytest.mark.parametrize("name", ["sum 2", "a negative entry, sum 1", "+inf", "NaN"])
+def test_the_row_drawn_from_after_a_full_accept_is_checked(name):
+    # One draft token, accepted with certainty: `next` is drawn from row 1, the last.
+    probs = mx.array([CERTAIN, NOT_DISTRIBUTIONS[name]])
+    for q in (None, mx.array([CERTAIN])):
+        with pytest.raises(ValueError, match=r"position 1 decided"):
+            read(accept_sampled(probs, ids(0), q, None, mx.random.key(0)))
+    empty = accept_sampled(probs[1:], ids(), None, None, mx.random.key(0))
+    with pytest.raises(ValueError, match=r"position 0 decided"):
+        read(empty)
+
+
+def test_a_row_cut_by_an_accepted_eos_is_checked():
+    # Draft token 0 is an accepted EOS: row 1 decides although its own test never ran.
+    with pytest.raises(ValueError, match=r"position 1 decided"):
+        read(
+            accept_sampled(
+                probs_with([0.0, 1.0, 1.0, 0.0]), ids(0, 1), None, ids(0), mx.random.key(0)
+            )
+        )
+
+
+@pytest.mark.parametrize("total", [1 - 2**-7, 1 + 2**-7])
+def test_a_row_within_the_mass_tolerance_is_valid(total):
+    # MASS_TOLERANCE is 2**-6: rows off by half of it are drawn from.
+    row = [0.0, 0.5, total - 0.5, 0.0]
+    for q in (None, mx.array(POINT_MASSES)):
+        for key in range(5):
+            accepted, token, _ = read(sampled(probs_with(row), q, key))
+            assert accepted == 1 and token in (1, 2)
+
+
+@pytest.mark.parametrize("total", [1 - 2**-5, 1 + 2**-5])
+def test_a_row_outside_the_mass_tolerance_is_reported(total):
+    with pytest.raises(ValueError, match=r"position 1 decided"):
+        read(sampled(probs_with([0.0, 0.5, total - 0.5, 0.0]), None))
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_half_precision_softmax_rows_of_a_large_vocabulary_are_valid(dtype):
+    # V = 152064: each entry rounded to float16 or bfloat16 moves the total by up to 2**-11 or
+    # 2**-8 of itself, well inside MASS_TOLERANCE. Sharp and flat rows, drawn and deterministic
+    # drafts; both ways to make the rows: a float32 softmax cast down, and MLX's precise softmax.
+    v, n = 152064, 3
+    for scale in (0.5, 4.0, 12.0):
+        logits = scale * mx.random.normal((n + 1, v), key=mx.random.key(int(scale)))
+        q = mx.softmax(scale * mx.random.normal((n, v), key=mx.random.key(9)), axis=-1)
+        draft = mx.argmax(q, axis=-1).astype(mx.uint32)
+        for probs in (
+            mx.softmax(logits, axis=-1).astype(dtype),
+            mx.softmax(logits.astype(dtype), axis=-1, precise=True),
+        ):
+            for draft_probs in (None, q.astype(dtype)):
+                for key in range(3):
+                    accepted, token, _ = read(
+                        accept_sampled(probs, draft, draft_probs, None, mx.random.key(key))
+                    )
+                    assert 0 <= accepted <= n and 0 <= token < v
+
+
+def test_log_probabilities_as_draft_probs_are_reported_not_accepted():
+    # log q <= 0 makes every ratio test u log q(d) < p(d) pass; the first draft token whose
+    # log-probability is negative is rejected and reported instead.
+    probs = mx.softmax(mx.random.normal((4, 50), key=mx.random.key(0)), axis=-1)
+    q = mx.softmax(mx.random.normal((3, 50), key=mx.random.key(1)), axis=-1)
+    draft = mx.argmax(q, axis=-1).astype(mx.uint32)
+    for key in range(5):
+        with pytest.raises(ValueError, match=r"position 0 decided"):
+            read(accept_sampled(probs, draft, mx.log(q), None, mx.random.key(key)))
+
+
+@pytest.mark.parametrize("value", [1.5, -0.25, math.inf, NAN])
+@pytest.mark.parametrize("where", ["probs", "draft_probs"])
+def test_a_draft_token_probability_outside_0_1_is_reported(value, where):
+    # Row 0's value at draft token 0 is not a probability: even 1.5, which would pass the ratio
+    # test, rejects the token and reports row 0.
+    probs = [list(CERTAIN), [0.0, 1.0, 0.0, 0.0], UNREAD]
+    q = [list(CERTAIN), list(CERTAIN)]
+    (probs if where == "probs" else q)[0][0] = value
+    with pytest.raises(ValueError, match=r"position 0 decided"):
+        read(sampled(mx.array(probs), mx.array(q)))
+    if where == "probs":
+        with pytest.raises(ValueError, match=r"position 0 decided"):
+            read(sampled(mx.array(probs), None))
+
+
+@pytest.mark.parametrize("entry", [-0.1, 1.5, math.inf, NAN])
+def test_a_rejected_draft_row_outside_0_1_is_reported(entry):
+    # Row 1 rejects its draft token (p_1(0) = 0): the residual subtracts q_1, whose token 1 is
+    # not a probability. The value read at the draft token, q_1(0) = 1, is fine.
+    q = mx.array([CERTAIN, [1.0, entry, 0.0, 0.0]])
+    with pytest.raises(ValueError, match=r"position 1 decided"):
+        read(sampled(probs_with([0.0, 0.5, 0.5, 0.0]), q))
+
+
+def test_what_is_not_read_is_not_checked():
+    # Row 2 is never read, draft row 0 only at its draft token, and no draft row's total is
+    # computed: none of these is reported (docs/acceptance.md lists what is checked).
+    probs = mx.array([CERTAIN, [0.0, 0.5, 0.5, 0.0], [5.0, -1.0, NAN, 0.0]])
+    q = mx.array([[1.0, -3.0, 7.0, NAN], [0.5, 0.0, 0.0, 0.0]])
+    for key in range(5):
+        accepted, token, _ = read(sampled(probs, q, key))
+        assert accepted == 1 and token in (1, 2)
+
+
+GREEDY_INVALID = {
+    "all -inf": [-math.inf] * 3,
+    "all +inf": [math.inf] * 3,
+    "one +inf": [0.0, math.inf, 1.0],
+    "NaN": [0.0, NAN, 1.0],
+}
+
+
+@pytest.mark.parametrize("row", GREEDY_INVALID.values(), ids=GREEDY_INVALID.keys())
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_a_greedy_row_without_a_finite_maximum_is_reported(row, dtype):
+    logits = mx.array([[9.0, 0.0, 0.0], row, [0.0, 0.0, 9.0]]).astype(dtype)
+    with pytest.raises(ValueError, match=r"^read: the verification row at position 1 decided"):
+        read(accept_greedy(logits, ids(0, 0)))
+    # Row 1 no longer decides when the draft is rejected at row 0.
+    assert read(accept_greedy(logits, ids(1, 0))) == (0, 0, False)
+
+
+def test_float16_logits_that_overflow_are_reported():
+    logits = mx.array([[0.0, 70000.0, 1.0]]).astype(mx.float16)  # 70000 is +inf in float16
+    with pytest.raises(ValueError, match=r"position 0 decided"):
+        read(accept_greedy(logits, ids()))
+
+
+def test_a_row_with_minus_inf_entries_and_a_finite_maximum_is_valid():
+    logits = mx.array([[-math.inf, 2.0, -math.inf], [1.0, -math.inf, -math.inf]])
+    assert read(accept_greedy(logits, ids(1))) == (1, 0, False)
+
+
+def test_invalid_rows_are_reported_per_element_under_vmap():
+    rows = [[0.0, 0.5, 0.5, 0.0]] + [
+        NOT_DISTRIBUTIONS[k] for k in ("sum 2", "a negative entry, sum 1")
+    ]
+    probs = mx.stack([probs_with(r) for r in rows] + [probs_with(rows[0])])
+    q = mx.stack([mx.array(POINT_MASSES)] * 3 + [mx.log(mx.array(POINT_MASSES) * 0.5 + 0.125)])
+    keys = mx.random.split(mx.random.key(3), 4)
+    batched = mx.vmap(lambda p, dq, k: accept_sampled(p, ids(*DRAFT_TOKENS), dq, None, k))(
+        probs, q, keys
+    )
+    raw = np.array(batched)
+    assert raw[0, 1] < INVALID_ROW
+    assert raw[1:, 1].tolist() == [INVALID_ROW + 1, INVALID_ROW + 1, INVALID_ROW + 0]
+    with pytest.raises(ValueError, match=r"position 1 \(batch index 1\)"):
+        read(batched)
+    logits = mx.stack([mx.array([[9.0, 0.0], [0.0, 9.0]]), mx.array([[9.0, 0.0], [-math.inf] * 2])])
+    greedy = np.array(mx.vmap(lambda x: accept_greedy(x, ids(0)))(logits))
+    assert greedy[:, 1].tolist() == [1, INVALID_ROW + 1]
+
+
+def test_invalid_rows_are_reported_under_a_callers_compile():
+    @mx.compile
+    def both(probs, logits, q, key):
+        return accept_sampled(probs, ids(*DRAFT_TOKENS), q, None, key), accept_greedy(
+            logits, ids(0, 0)
+        )
+
+    probs = probs_with(NOT_DISTRIBUTIONS["a negative entry, sum 1"])
+    logits = mx.array([[9.0, 0.0], [-math.inf] * 2, [0.0, 9.0]])
+    for result in both(probs, logits, mx.array(POINT_MASSES), mx.random.key(0)):
+        with pytest.raises(ValueError, match=r"position 1 decided"):
+            read(result)
+
+
 def test_check_next_names_the_function_the_position_and_the_batch_index():
     check_next("op", INVALID_ROW - 1)  # a token id: nothing to report
     with pytest.raises(ValueError, match=r"^op: the verification row at position 3 decided"):

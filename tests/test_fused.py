@@ -141,8 +141,8 @@ GREEDY_SHAPES = [(0, 1), (1, 5), (8, 4099), (16, 152064), (40, 33)]
 
 
 def greedy_inputs(n: int, v: int, dtype: mx.Dtype, seed: int) -> list[tuple]:
-    """Cases for one shape: agreeing prefixes of every length, ties, NaN rows, -inf rows,
-    out-of-vocabulary and negative ids, EOS sets."""
+    """Cases for one shape: agreeing prefixes of every length, ties, NaN rows, -inf and +inf rows,
+    rows with one +inf, out-of-vocabulary and negative ids, EOS sets."""
     rng = np.random.default_rng(seed)
     cases = []
     for i in range(12):
@@ -154,6 +154,10 @@ def greedy_inputs(n: int, v: int, dtype: mx.Dtype, seed: int) -> list[tuple]:
             rows[rng.integers(n + 1)] = -np.inf
         if i % 5 == 3:
             rows[rng.integers(n + 1), rng.integers(v)] = np.nan
+        if i % 8 == 5:
+            rows[rng.integers(n + 1), rng.integers(v)] = np.inf
+        if i % 9 == 7:
+            rows[rng.integers(n + 1)] = np.inf
         logits = mx.array(rows).astype(dtype)
         choice = np.array(mx.argmax(logits.astype(mx.float32), axis=-1))
         agree = rng.integers(n + 1)
@@ -199,6 +203,100 @@ def test_the_kernels_do_not_vmap() -> None:
         mx.vmap(lambda x: accept_greedy(x, c["draft"], fused=True))(logits)
 
 
+GREEDY_FAULTS = {
+    "all -inf": lambda row, c: np.full_like(row, -np.inf),
+    "all +inf": lambda row, c: np.full_like(row, np.inf),
+    "one +inf": lambda row, c: np.where(np.arange(row.size) == c, np.inf, row),
+    "one NaN": lambda row, c: np.where(np.arange(row.size) == c, np.nan, row),
+}
+
+
+@on_cuda
+@pytest.mark.parametrize("fault", GREEDY_FAULTS.keys())
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("v", [3, 4099, 152064])
+def test_greedy_kernel_reports_the_rows_the_composition_reports(fault, dtype, v: int) -> None:
+    # A row without a finite maximum at each position of a draft that agrees with every argmax:
+    # the kernels report that position (or an earlier mismatch), as the composition does.
+    rng = np.random.default_rng(v)
+    n = 3
+    rows = rng.standard_normal((n + 1, v)).astype(np.float32)
+    draft = mx.array(np.argmax(rows[:n], axis=-1), mx.uint32)
+    for r in range(n + 1):
+        bad = rows.copy()
+        bad[r] = GREEDY_FAULTS[fault](bad[r], int(rng.integers(v)))
+        logits = mx.array(bad).astype(dtype)
+        got = _raw(accept_greedy(logits, draft, fused=True))
+        assert got == _raw(accept_greedy(logits, draft, fused=False))
+        assert got[1] == INVALID_ROW + r
+
+
+def _not_distributions(v: int) -> dict[str, tuple]:
+    """Sampled verifications with N = 2 over V = v >= 3, draft (0, 0), each with at most one
+    fault: row 0 accepts draft token 0 with certainty, row 1 reads 0 there, so it rejects it and
+    decides, and row 2 is not read. Values: ``(probs, draft_probs, position)``, the position the
+    composition reports (None for the valid case); ``draft_probs`` is None where the fault is in
+    ``probs`` (then the case runs with point masses for draft_probs, and without them)."""
+    certain = np.eye(1, v, 0, dtype=np.float32)[0]
+    deciding = np.zeros(v, np.float32)
+    deciding[1:] = 1 / (v - 1)
+    unread = np.full(v, 1 / v, np.float32)
+
+    def case(row=deciding, first=certain, q=None, position=1):
+        return np.stack([first, row, unread]), q, position
+
+    def with_entry(row, index, value):
+        row = row.copy()
+        row[index] = value
+        return row
+
+    negative = with_entry(with_entry(deciding, 1, deciding[1] + deciding[2] + 0.05), 2, -0.05)
+    with np.errstate(divide="ignore"):
+        log_q = np.log(np.stack([certain, certain]) * 0.5 + 0.5 / v)
+    return {
+        "valid": case(position=None),
+        "sum 2": case(2 * deciding),
+        "sum 0.5": case(0.5 * deciding),
+        "negative entry, sum 1": case(negative),
+        "+inf entry": case(with_entry(deciding, 2, np.inf)),
+        "NaN entry": case(with_entry(deciding, 2, np.nan)),
+        "all -inf": case(np.full(v, -np.inf, np.float32)),
+        "draft token probability 1.5": case(first=with_entry(certain, 0, 1.5), position=0),
+        "rejected draft row with a negative entry": case(
+            q=np.stack([certain, with_entry(certain, 1, -0.1)])
+        ),
+        "log-probabilities as draft_probs": case(q=log_q, position=0),
+    }
+
+
+@on_cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("v", [4, 4099, 152064])
+def test_sampled_kernel_reports_the_rows_the_composition_reports(dtype, v: int) -> None:
+    if v == 152064 and dtype != mx.float32:
+        pytest.skip("one dtype at the largest vocabulary")
+    draft = ids(0, 0)
+    points = mx.array(np.eye(1, v, 0, dtype=np.float32).repeat(2, axis=0)).astype(dtype)
+    for name, (p, q, position) in _not_distributions(v).items():
+        probs = mx.array(p).astype(dtype)
+        for draft_probs in (points, None) if q is None else (mx.array(q).astype(dtype),):
+            for k in range(3):
+                key = mx.random.key(k)
+                got = _raw(accept_sampled(probs, draft, draft_probs, None, key, fused=True))
+                want = _raw(accept_sampled(probs, draft, draft_probs, None, key))
+                assert got[0] == want[0], name
+                flagged = [x[1] >= INVALID_ROW for x in (got, want)]
+                assert flagged == [position is not None] * 2, name
+                if position is not None:
+                    assert got[1] == want[1] == INVALID_ROW + position, name
+    # After a full accept the last row decides.
+    p, _, _ = _not_distributions(v)["sum 2"]
+    probs = mx.array(p[:2]).astype(dtype)
+    for draft_probs in (None, points[:1]):
+        got = _raw(accept_sampled(probs, ids(0), draft_probs, None, mx.random.key(0), fused=True))
+        assert got[1] == INVALID_ROW + 1
+
+
 def _sampled_inputs(n: int, v: int, dtype: mx.Dtype, seed: int) -> list[tuple]:
     rng = np.random.default_rng(seed)
     cases = []
@@ -214,6 +312,20 @@ def _sampled_inputs(n: int, v: int, dtype: mx.Dtype, seed: int) -> list[tuple]:
         draft = mx.array(np.array(mx.argmax(q, -1)) if n else np.zeros(0), mx.uint32)
         if i % 3 == 0 and n:
             draft = mx.array(np.array(mx.argmax(p[:n], -1)), mx.uint32)
+        # Rows that are not distributions: a total of 2, a negative entry (with the total kept),
+        # log-probabilities as draft_probs.
+        r = int(rng.integers(n + 1))
+        if i == 3:
+            p = mx.concatenate([p[:r], 2 * p[r : r + 1], p[r + 1 :]])
+        if i == 6:
+            row = np.array(p[r])
+            c, top = int(rng.integers(v)), int(np.argmax(row))
+            shift = row[c] + 0.05
+            row[c] -= shift
+            row[top] += shift
+            p = mx.concatenate([p[:r], mx.array(row)[None], p[r + 1 :]])
+        if i == 9 and n:
+            q = mx.log(q)
         # One EOS shape for every case (an id outside the vocabulary: none), so the composition
         # compiles once per shape: on a GPU each compile is seconds.
         eos = ids(3 % v) if i % 2 else ids(v + 7)

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from oracle import (
+    INVALID_ROW,
     first_argmax,
     inverse_cdf,
     oracle_eos_hit,
@@ -123,11 +124,12 @@ def _ids(x: np.ndarray | None) -> mx.array | None:
 def _assert_consistent(
     out: np.ndarray, draft: np.ndarray, eos: np.ndarray | None, vocab: int
 ) -> None:
-    """What any acceptance result must satisfy, whatever the rows."""
+    """What any acceptance result must satisfy, whatever the rows: ``next`` is a token, or the
+    flag of the row at ``accepted``."""
     assert out.shape == (3,) and out.dtype == np.uint32
     accepted, following, hit = (int(t) for t in out)
     assert 0 <= accepted <= draft.shape[0]
-    assert 0 <= following < vocab
+    assert 0 <= following < vocab or following == INVALID_ROW + accepted
     assert hit in (0, 1)
     stops = set() if eos is None else {int(t) for t in eos}
     kept = [int(t) for t in draft[:accepted]]
@@ -296,10 +298,23 @@ def _logits(shape: Shape, rng: np.random.Generator) -> np.ndarray:
     return x
 
 
+def _greedy_fault(x: np.ndarray, rng: np.random.Generator) -> str:
+    """Leaves ``x`` as it is (3 cases in 4), or gives one of its rows no finite maximum."""
+    fault = str(rng.choice(["none"] * 12 + ["all -inf", "all +inf", "one +inf", "one NaN"]))
+    r, c = rng.integers(x.shape[0]), rng.integers(x.shape[1])
+    if fault.startswith("all"):
+        x[r] = -np.inf if fault == "all -inf" else np.inf
+    elif fault != "none":
+        x[r, c] = np.inf if fault == "one +inf" else np.nan
+    return fault
+
+
 def _check_greedy(shape: Shape) -> None:
     """Runs ``accept_greedy`` on one drawn case and compares it with the oracle."""
     rng = np.random.default_rng(shape.seed)
-    logits = _place(_logits(shape, rng), DTYPES[shape.dtype], shape.layout, rng)
+    x = _logits(shape, rng)
+    event(f"greedy fault: {_greedy_fault(x, rng)}")
+    logits = _place(x, DTYPES[shape.dtype], shape.layout, rng)
     seen = _seen(logits)
     if rng.random() < 0.5:
         choice = [first_argmax(row) for row in seen[: shape.n]]
@@ -314,6 +329,7 @@ def _check_greedy(shape: Shape) -> None:
     _assert_consistent(out, draft, eos, shape.vocab)
     expected = oracle_greedy(seen, draft, eos)
     event(f"greedy accepted {_bucket(expected[0], shape.n)}")
+    event(f"greedy {'reported' if expected[1] >= INVALID_ROW else 'decided'}")
     assert (int(out[0]), int(out[1]), bool(out[2])) == expected
     if ON_CUDA:
         kernel = np.array(accept_greedy(logits, mx.array(draft), _ids(eos), fused=True))
@@ -363,6 +379,46 @@ def _sample(rows: np.ndarray, rng: np.random.Generator) -> list[int]:
     return [int(rng.choice(row.shape[0], p=row / row.sum())) for row in rows.astype(np.float64)]
 
 
+P_FAULTS = ("sum 2", "sum 0.5", "negative entry, same sum", "NaN entry", "+inf entry")
+Q_FAULTS = ("log-probabilities", "negative entry", "sum 2")
+
+
+def _sampled_fault(
+    p: np.ndarray, q: np.ndarray | None, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray | None, str]:
+    """``p`` and ``q`` as they are (2 cases in 3), or with one row that is not a distribution:
+    a row of ``p`` (any position), or of ``q``, or ``q`` as log-probabilities."""
+    faults = ["none"] * 16 + [f"probs: {f}" for f in P_FAULTS]
+    if q is not None and q.shape[0]:
+        faults += [f"draft_probs: {f}" for f in Q_FAULTS]
+    fault = str(rng.choice(faults))
+    if fault == "none":
+        return p, q, fault
+    p, q = p.copy(), None if q is None else q.copy()
+    rows = p if fault.startswith("probs") else q
+    r, c = rng.integers(rows.shape[0]), rng.integers(rows.shape[1])
+    if fault.endswith("sum 2"):
+        rows[r] *= 2
+    elif fault.endswith("sum 0.5"):
+        rows[r] *= 0.5
+    elif fault.endswith("same sum"):
+        # Entry c goes to -0.05, the largest entry takes the difference (unless it is c).
+        top = int(np.argmax(rows[r]))
+        shift = rows[r, c] + 0.05
+        rows[r, c] -= shift
+        rows[r, top] += shift
+    elif fault.endswith("negative entry"):
+        rows[r, c] = -0.05
+    elif fault.endswith("NaN entry"):
+        rows[r, c] = np.nan
+    elif fault.endswith("+inf entry"):
+        rows[r, c] = np.inf
+    elif fault.endswith("log-probabilities"):
+        with np.errstate(divide="ignore"):
+            q = np.log(q)
+    return p, q, fault
+
+
 drafters = st.sampled_from(("none", "equal", "close", "close", "independent"))
 sharpness = st.sampled_from((0.5, 3.0, 8.0, 30.0))
 
@@ -384,6 +440,15 @@ def _check_sampled(shape: Shape, drafter: str, q_dtype: str, q_layout: str, shar
     draft = _draft(likely, shape.agree, vocab, shape.draft_dtype, rng)
     eos = _eos(shape.eos, draft, likely, vocab, shape.eos_dtype, rng)
     key = mx.random.key(shape.seed)
+    faulty_p, faulty_q, fault = _sampled_fault(p, q, rng)
+    event(f"sampled fault: {fault}")
+    if fault != "none":
+        # Values that came from the dtypes go back exactly; the oracle sees the faults as cast.
+        probs = _place(faulty_p, DTYPES[shape.dtype], shape.layout, rng)
+        p = _seen(probs)
+        if q is not None:
+            draft_probs = _place(faulty_q, DTYPES[q_dtype], q_layout, rng)
+            q = _seen(draft_probs)
 
     out = np.array(accept_sampled(probs, mx.array(draft), draft_probs, _ids(eos), key))
     results = [out]
@@ -395,10 +460,15 @@ def _check_sampled(shape: Shape, drafter: str, q_dtype: str, q_layout: str, shar
     uniforms = np.array(mx.random.uniform(shape=(n + 1,), key=key))[:n]
     expected = oracle_sampled(p, draft, q, eos, uniforms)
     event(f"sampled accepted {_bucket(expected.accepted, n)}")
+    event(f"sampled {'reported' if expected.row is None else 'drawn'}")
     for result in results:  # the composition, and the fused kernel on CUDA
         _assert_consistent(result, draft, eos, vocab)
         accepted, following, hit = (int(t) for t in result)
         assert accepted == expected.accepted
+        if expected.row is None:
+            assert (following, bool(hit)) == (expected.next, expected.eos_hit), "not reported"
+            continue
+        assert following < INVALID_ROW, f"reported row {following - INVALID_ROW} is valid"
         assert expected.row[following] > 0, f"next {following} is outside the support of its row"
         assert bool(hit) == oracle_eos_hit(draft, accepted, following, eos)
 

@@ -28,7 +28,7 @@ from importlib import resources
 
 import mlx.core as mx
 
-from .._checks import StreamOrDevice, device_type
+from .._checks import INVALID_ROW, MASS_TOLERANCE, StreamOrDevice, device_type
 
 THREADS = 1024  # a one-block kernel's threads; the sources assume 32 full warps
 SLICE = 4096  # greedy: columns of a row per block of the first launch
@@ -38,10 +38,12 @@ MAX_COLUMNS = 4096  # sampled: the most strided blocks of the draw (they live in
 #: The largest vocabulary of the sampled kernel: its strided blocks, about ``sqrt(V)``, must fit.
 MAX_VOCAB = MAX_COLUMNS**2
 
-# The constants above, as the CUDA sources see them.
+# The constants above and the acceptance's checks, as the CUDA sources see them (MASS_TOLERANCE is
+# a power of two: its decimal form is the same float32).
 _DEFINES = f"""
 #define MS_THREADS {THREADS}
-#define MS_INVALID 0x80000000u
+#define MS_INVALID {INVALID_ROW:#x}u
+#define MS_MASS_TOLERANCE {MASS_TOLERANCE!r}f
 #define MS_MAX_COLUMNS {MAX_COLUMNS}
 #define MS_SLICE {SLICE}
 #define MS_SLICE_THREADS {SLICE_THREADS}

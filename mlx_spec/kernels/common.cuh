@@ -5,6 +5,8 @@ __device__ __forceinline__ float ms_float(float x) { return x; }
 __device__ __forceinline__ float ms_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float ms_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 
+__device__ __forceinline__ float ms_nan() { return __int_as_float(0x7FC00000); }
+
 template <typename ET>
 __device__ __forceinline__ bool ms_is_eos(uint32_t token, const ET* eos, int E) {
   bool hit = false;

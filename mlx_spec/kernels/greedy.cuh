@@ -59,21 +59,21 @@ __device__ void ms_slice_argmax(const T* logits, float* part_max, uint32_t* part
   nan = __syncthreads_or(nan);
   if (t == 0) {
     for (int w = 1; w < MS_SLICE_THREADS / 32; ++w) ms_keep_max(best, at, s_best[w], s_at[w]);
-    part_max[b] = nan ? __int_as_float(0x7FC00000) : best;
+    part_max[b] = nan ? ms_nan() : best;
     part_at[b] = at;
   }
 }
 
-// Greedy acceptance, row r of N + 1 given its argmax, whether it holds a NaN, and (for r < N) its
-// draft token and whether that token ends the sequence: updates the result and says whether the
-// rows after it are needed.
-__device__ __forceinline__ bool ms_greedy_row(int r, int N, uint32_t choice, bool nan, uint32_t d,
-                                              bool d_is_eos, uint32_t& accepted, uint32_t& token,
-                                              bool& eos_in_draft) {
+// Greedy acceptance, row r of N + 1 given its argmax, whether it is invalid (a NaN, or a maximum
+// of +inf or -inf, as the composition decides), and (for r < N) its draft token and whether that
+// token ends the sequence: updates the result and says whether the rows after it are needed.
+__device__ __forceinline__ bool ms_greedy_row(int r, int N, uint32_t choice, bool invalid,
+                                              uint32_t d, bool d_is_eos, uint32_t& accepted,
+                                              uint32_t& token, bool& eos_in_draft) {
   accepted = r;
-  token = nan ? (MS_INVALID | (uint32_t)r) : choice;
+  token = invalid ? (MS_INVALID | (uint32_t)r) : choice;
   // After an accepted end-of-sequence token, this row only supplies `next`.
-  if (r == N || eos_in_draft || nan || d != choice) return false;
+  if (r == N || eos_in_draft || invalid || d != choice) return false;
   eos_in_draft = d_is_eos;
   return true;
 }
@@ -86,7 +86,7 @@ template <typename D, typename ET>
 __device__ void ms_greedy_decide(const float* part_max, const uint32_t* part_at, const D* draft,
                                  const ET* eos, uint32_t* out, int R, int S, int E) {
   __shared__ uint32_t s_choice[32], s_draft[32];
-  __shared__ bool s_nan[32], s_draft_eos[32], s_more;
+  __shared__ bool s_invalid[32], s_draft_eos[32], s_more;
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5, W = blockDim.x >> 5;
   uint32_t accepted = 0, token = 0;
   bool eos_in_draft = false;
@@ -106,7 +106,8 @@ __device__ void ms_greedy_decide(const float* part_max, const uint32_t* part_at,
       nan = __any_sync(0xFFFFFFFFu, nan);
       if (lane == 0) {
         s_choice[warp] = at;
-        s_nan[warp] = nan;
+        // The row's maximum (over the slices without NaN) must be finite.
+        s_invalid[warp] = nan || !isfinite(best);
         s_draft[warp] = d;
         s_draft_eos[warp] = r < R - 1 && ms_is_eos<ET>(d, eos, E);
       }
@@ -115,7 +116,7 @@ __device__ void ms_greedy_decide(const float* part_max, const uint32_t* part_at,
     if (t == 0) {
       bool more = true;
       for (int i = 0; more && i < W && base + i < R; ++i) {
-        more = ms_greedy_row(base + i, R - 1, s_choice[i], s_nan[i], s_draft[i], s_draft_eos[i],
+        more = ms_greedy_row(base + i, R - 1, s_choice[i], s_invalid[i], s_draft[i], s_draft_eos[i],
                              accepted, token, eos_in_draft);
       }
       s_more = more;
