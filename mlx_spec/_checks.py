@@ -103,6 +103,29 @@ def check_key(op: str, key: object) -> mx.array:
     return key
 
 
+def check_stream(op: str, stream: object) -> StreamOrDevice:
+    """Checks the ``stream`` argument: ``None``, or an ``mx.Stream``, ``mx.Device`` or
+    ``mx.DeviceType`` of a device this MLX can run on."""
+    if stream is None:
+        return None
+    if not isinstance(stream, (mx.Stream, mx.Device, mx.DeviceType)):
+        raise ValueError(
+            f"{op}: `stream` must be None, an mx.Stream, an mx.Device or an mx.DeviceType, "
+            f"got {stream!r} of type {type(stream).__name__}"
+        )
+    device = stream.device if isinstance(stream, mx.Stream) else stream
+    if not mx.is_available(mx.Device(device) if isinstance(device, mx.DeviceType) else device):
+        raise ValueError(f"{op}: `stream` is {stream}, a device this MLX cannot run on")
+    return stream
+
+
+def check_flag(op: str, name: str, value: object) -> bool:
+    """Checks a ``bool`` argument (``True`` or ``False`` only: ``1`` or ``"yes"`` are refused)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{op}: `{name}` must be True or False, got {value!r}")
+    return value
+
+
 def device_type(stream: StreamOrDevice) -> mx.DeviceType:
     """The kind of device ``stream`` runs on (the default device's for ``None``)."""
     if stream is None:

@@ -30,9 +30,11 @@ from ._checks import (
     StreamOrDevice,
     check_draft_probs,
     check_eos,
+    check_flag,
     check_ids,
     check_key,
     check_rows,
+    check_stream,
     describe,
     device_type,
 )
@@ -181,20 +183,24 @@ def accept_greedy(
             once per shape) instead of the composition of MLX ops (same result). Needs MLX's CUDA
             backend and a GPU stream; not under ``mx.vmap`` (MLX cannot vmap custom kernels).
             Default: ``False``.
-        stream (Stream or Device, optional): where to run. Default: the default stream.
+        stream (Stream, Device or DeviceType, optional): where to run. Default: the default
+            stream.
 
     Returns:
         array: lazy ``[3]`` uint32 ``[accepted, next, eos_hit]``; read it with :func:`read`, which
         raises if row ``accepted`` has no finite maximum.
 
     Raises:
-        ValueError: an argument has the wrong rank, dtype or length, or ``fused=True`` where
-            the kernel cannot run; the message names it.
+        ValueError: an argument has the wrong rank, dtype, length or type (``fused`` not a
+            bool, ``stream`` not a stream or device this MLX can run on), or ``fused=True``
+            where the kernel cannot run; the message names it.
     """
     op = "accept_greedy"
     n, _ = check_rows(op, "logits", logits)
     draft = check_ids(op, "draft", draft, n)
     eos = check_eos(op, eos)
+    fused = check_flag(op, "fused", fused)
+    stream = check_stream(op, stream)
     with _on(stream):
         if _use_fused(op, fused, stream):
             return _fused_greedy_graph(
@@ -405,14 +411,16 @@ def accept_sampled(
             rounding of sums in the draw of ``next``. Needs MLX's CUDA backend, a GPU stream
             and ``V <= 2**24``; not under ``mx.vmap`` (MLX cannot vmap custom kernels).
             Default: ``False``.
-        stream (Stream or Device, optional): where to run. Default: the default stream.
+        stream (Stream, Device or DeviceType, optional): where to run. Default: the default
+            stream.
 
     Returns:
         array: lazy ``[3]`` uint32 ``[accepted, next, eos_hit]``; read it with :func:`read`, which
         raises if position ``accepted`` failed a check above.
 
     Raises:
-        ValueError: an argument has the wrong rank, dtype, shape or length, or ``fused=True``
+        ValueError: an argument has the wrong rank, dtype, shape, length or type (``fused`` not
+            a bool, ``stream`` not a stream or device this MLX can run on), or ``fused=True``
             where the kernel cannot run; the message names it.
     """
     op = "accept_sampled"
@@ -421,6 +429,8 @@ def accept_sampled(
     q = check_draft_probs(op, draft_probs, n, v)
     eos = check_eos(op, eos)
     key = check_key(op, key)
+    fused = check_flag(op, "fused", fused)
+    stream = check_stream(op, stream)
     with _on(stream):
         if _use_fused(op, fused, stream, v):
             return _fused_sampled_graph(probs, draft, q, eos, key)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ._checks import StreamOrDevice, check_stream
+
 __all__ = ["SpecSampler", "make_sampler", "min_p_mask", "top_k_mask", "top_p_mask"]
 
 _FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -49,9 +51,7 @@ def _check_count(fn: str, name: str, value: int, least: int) -> None:
         raise ValueError(f"{fn}: {name} must be an integer >= {least}, got {value!r}")
 
 
-def top_p_mask(
-    logprobs: mx.array, top_p: float, *, stream: mx.Stream | mx.Device | None = None
-) -> mx.array:
+def top_p_mask(logprobs: mx.array, top_p: float, *, stream: StreamOrDevice = None) -> mx.array:
     """Tokens kept by nucleus (top-p) filtering, as mlx-lm's ``apply_top_p`` keeps them.
 
     A token is kept when the probability mass of the tokens ranked strictly above it is below
@@ -63,17 +63,19 @@ def top_p_mask(
         logprobs (array): ``[..., V]`` float32, float16 or bfloat16 log-probabilities; ``-inf``
             marks an impossible token.
         top_p (float): the kept mass, in ``[0, 1]``.
-        stream (Stream or Device, optional): where to run. Default: the default stream.
+        stream (Stream, Device or DeviceType, optional): where to run. Default: the default
+            stream.
 
     Returns:
         array: ``[..., V]`` bool, True for the kept tokens.
 
     Raises:
-        ValueError: ``logprobs`` has no last axis or a non-float dtype, or ``top_p`` is outside
-            ``[0, 1]``; the message names the argument.
+        ValueError: ``logprobs`` has no last axis or a non-float dtype, ``top_p`` is outside
+            ``[0, 1]`` or ``stream`` is not a stream or device; the message names the argument.
     """
     _check_logprobs("top_p_mask", logprobs)
     _check_fraction("top_p_mask", "top_p", top_p)
+    stream = check_stream("top_p_mask", stream)
     if top_p in (0.0, 1.0):
         return mx.ones(logprobs.shape, dtype=mx.bool_, stream=stream)
     # Most likely first; negation is exact in every float dtype.
@@ -93,7 +95,7 @@ def min_p_mask(
     min_p: float,
     min_tokens_to_keep: int = 1,
     *,
-    stream: mx.Stream | mx.Device | None = None,
+    stream: StreamOrDevice = None,
 ) -> mx.array:
     """Tokens kept by min-p filtering, as mlx-lm's ``apply_min_p`` keeps them.
 
@@ -105,18 +107,21 @@ def min_p_mask(
         logprobs (array): ``[..., V]`` float32, float16 or bfloat16 log-probabilities.
         min_p (float): the kept probability relative to the most likely token, in ``[0, 1]``.
         min_tokens_to_keep (int): at least 1; values above ``V`` keep every token. Default: 1.
-        stream (Stream or Device, optional): where to run. Default: the default stream.
+        stream (Stream, Device or DeviceType, optional): where to run. Default: the default
+            stream.
 
     Returns:
         array: ``[..., V]`` bool, True for the kept tokens.
 
     Raises:
         ValueError: ``logprobs`` has no last axis or a non-float dtype, ``min_p`` is outside
-            ``[0, 1]`` or ``min_tokens_to_keep`` < 1; the message names the argument.
+            ``[0, 1]``, ``min_tokens_to_keep`` < 1 or ``stream`` is not a stream or device; the
+            message names the argument.
     """
     _check_logprobs("min_p_mask", logprobs)
     _check_fraction("min_p_mask", "min_p", min_p)
     _check_count("min_p_mask", "min_tokens_to_keep", min_tokens_to_keep, 1)
+    stream = check_stream("min_p_mask", stream)
     vocab = logprobs.shape[-1]
     if min_p == 0.0 or min_tokens_to_keep >= vocab:
         return mx.ones(logprobs.shape, dtype=mx.bool_, stream=stream)
@@ -129,9 +134,7 @@ def min_p_mask(
     return keep
 
 
-def top_k_mask(
-    logprobs: mx.array, top_k: int, *, stream: mx.Stream | mx.Device | None = None
-) -> mx.array:
+def top_k_mask(logprobs: mx.array, top_k: int, *, stream: StreamOrDevice = None) -> mx.array:
     """Tokens kept by top-k filtering, as mlx-lm's ``apply_top_k`` keeps them.
 
     Exactly ``top_k`` tokens are kept per row; ties at the k-th value are broken as mlx-lm breaks
@@ -141,17 +144,20 @@ def top_k_mask(
     Args:
         logprobs (array): ``[..., V]`` float32, float16 or bfloat16 log-probabilities.
         top_k (int): how many tokens to keep, >= 0.
-        stream (Stream or Device, optional): where to run. Default: the default stream.
+        stream (Stream, Device or DeviceType, optional): where to run. Default: the default
+            stream.
 
     Returns:
         array: ``[..., V]`` bool, True for the kept tokens.
 
     Raises:
-        ValueError: ``logprobs`` has no last axis or a non-float dtype, or ``top_k`` is not an
-            integer >= 0; the message names the argument.
+        ValueError: ``logprobs`` has no last axis or a non-float dtype, ``top_k`` is not an
+            integer >= 0 or ``stream`` is not a stream or device; the message names the
+            argument.
     """
     _check_logprobs("top_k_mask", logprobs)
     _check_count("top_k_mask", "top_k", top_k, 0)
+    stream = check_stream("top_k_mask", stream)
     keep = mx.ones(logprobs.shape, dtype=mx.bool_, stream=stream)
     if top_k == 0 or top_k >= logprobs.shape[-1]:
         return keep

@@ -615,7 +615,18 @@ def test_read_nests_like_the_leading_axes():
 
 @pytest.mark.parametrize(
     "bad",
-    [mx.zeros((2,), mx.uint32), mx.zeros((3,), mx.int32), mx.zeros((2, 4), mx.uint32), [1, 2, 3]],
+    [
+        mx.zeros((2,), mx.uint32),
+        mx.zeros((3,), mx.int32),
+        mx.zeros((3,), mx.float32),
+        mx.zeros((2, 4), mx.uint32),
+        mx.array(3, mx.uint32),
+        [1, 2, 3],
+        (1, 2, True),
+        np.zeros(3, np.uint32),
+        None,
+        "result",
+    ],
 )
 def test_read_rejects_what_is_not_a_result(bad):
     with pytest.raises(ValueError, match="read: `result` must be"):
@@ -672,6 +683,45 @@ def test_sampled_errors_name_the_argument(kwargs, pattern):
     }
     with pytest.raises(ValueError, match="accept_sampled: " + pattern):
         accept_sampled(**args)
+
+
+NOT_STREAMS = ["cpu", "gpu", 0, 1, True, [mx.cpu], mx.zeros(1)]
+PROBS = mx.softmax(LOGITS, axis=-1)
+
+
+@pytest.mark.parametrize("stream", NOT_STREAMS, ids=repr)
+def test_a_stream_that_is_no_stream_or_device_is_refused(stream):
+    with pytest.raises(ValueError, match=r"^accept_greedy: `stream` must be None, an mx.Stream"):
+        accept_greedy(LOGITS, DRAFT, stream=stream)
+    with pytest.raises(ValueError, match=r"^accept_sampled: `stream` must be None, an mx.Stream"):
+        accept_sampled(PROBS, DRAFT, None, None, mx.random.key(0), stream=stream)
+
+
+@pytest.mark.skipif(mx.is_available(mx.gpu), reason="MLX runs on a GPU here")
+def test_a_device_this_mlx_cannot_run_on_is_refused():
+    for stream in (mx.gpu, mx.DeviceType.gpu):
+        with pytest.raises(ValueError, match=r"^accept_greedy: `stream` is .*gpu.* cannot run on"):
+            accept_greedy(LOGITS, DRAFT, stream=stream)
+        with pytest.raises(ValueError, match=r"^accept_sampled: `stream` is .*gpu.* cannot run"):
+            accept_sampled(PROBS, DRAFT, None, None, mx.random.key(0), stream=stream)
+
+
+def test_streams_devices_and_device_types_are_taken():
+    greedy = read(accept_greedy(LOGITS, DRAFT))
+    sampled = read(accept_sampled(PROBS, DRAFT, None, None, mx.random.key(0)))
+    for stream in (mx.cpu, mx.DeviceType.cpu, mx.default_stream(mx.cpu), mx.new_stream(mx.cpu)):
+        assert read(accept_greedy(LOGITS, DRAFT, stream=stream)) == greedy
+        assert read(accept_sampled(PROBS, DRAFT, None, None, mx.random.key(0), stream=stream)) == (
+            sampled
+        )
+
+
+@pytest.mark.parametrize("fused", [1, 0, "yes", None, np.bool_(False), mx.array(False)], ids=repr)
+def test_fused_that_is_not_a_bool_is_refused(fused):
+    with pytest.raises(ValueError, match=r"^accept_greedy: `fused` must be True or False, got"):
+        accept_greedy(LOGITS, DRAFT, fused=fused)
+    with pytest.raises(ValueError, match=r"^accept_sampled: `fused` must be True or False, got"):
+        accept_sampled(PROBS, DRAFT, None, None, mx.random.key(0), fused=fused)
 
 
 @pytest.mark.skipif(

@@ -351,3 +351,25 @@ def test_bad_logprobs_raise_with_shape_and_dtype():
         min_p_mask(mx.zeros((4,)), 0.1, 0)
     with pytest.raises(ValueError, match="top_k_mask: logprobs"):
         top_k_mask(mx.zeros((4,), dtype=mx.int32), 1)
+
+
+MASKS = {
+    "top_p_mask": lambda row, stream: top_p_mask(row, 0.5, stream=stream),
+    "min_p_mask": lambda row, stream: min_p_mask(row, 0.1, 2, stream=stream),
+    "top_k_mask": lambda row, stream: top_k_mask(row, 2, stream=stream),
+}
+
+
+@pytest.mark.parametrize("stream", ["cpu", 0, True, [mx.cpu], mx.zeros(1)], ids=repr)
+@pytest.mark.parametrize("name", MASKS)
+def test_masks_refuse_a_stream_that_is_no_stream_or_device(name, stream):
+    with pytest.raises(ValueError, match=rf"^{name}: `stream` must be None, an mx.Stream"):
+        MASKS[name](_row(PROBS), stream)
+
+
+@pytest.mark.parametrize("name", MASKS)
+def test_masks_take_streams_devices_and_device_types(name):
+    row = _row(PROBS)
+    expected = MASKS[name](row, None)
+    for stream in (mx.cpu, mx.DeviceType.cpu, mx.default_stream(mx.cpu)):
+        assert mx.array_equal(MASKS[name](row, stream), expected).item()
