@@ -8,7 +8,10 @@ Each filter is a pure function from ``[..., V]`` log-probabilities to a ``[..., 
 the tokens it keeps. Filters run on the temperature-1 log-probabilities in mlx-lm's order (top-p,
 min-p, top-k), each on the output of the previous one with filtered tokens at ``-inf``; the
 temperature scales what is left. Every step is the same float arithmetic as mlx-lm's, so the kept
-set, including its ties, is identical. Nothing here reads values on the host: all of it is lazy.
+set, including its ties, is identical, and so is the distribution, except on the rows where
+mlx-lm's has none: at a very low temperature (float16, below about ``1e-4``) the scaled
+log-probabilities overflow to ``-inf`` or NaN, and there the temperature scales the row in float32
+instead. Nothing here reads values on the host: all of it is lazy.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from ._checks import StreamOrDevice, check_stream
 __all__ = ["SpecSampler", "make_sampler", "min_p_mask", "top_k_mask", "top_p_mask"]
 
 _FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+#: The least positive temperature: ``1 / temp`` must be a finite float32 (and bfloat16).
+MIN_TEMP = 2.0**-126
 
 
 def _check_logprobs(fn: str, logprobs: mx.array) -> None:
@@ -170,8 +176,11 @@ def top_k_mask(logprobs: mx.array, top_k: int, *, stream: StreamOrDevice = None)
 def _check_params(
     fn: str, temp: float, top_p: float, min_p: float, min_tokens_to_keep: int, top_k: int
 ) -> None:
-    if not isinstance(temp, numbers.Real) or not 0.0 <= temp < math.inf:
-        raise ValueError(f"{fn}: temp must be a finite float >= 0, got {temp!r}")
+    if not isinstance(temp, numbers.Real) or not (temp == 0 or MIN_TEMP <= temp < math.inf):
+        raise ValueError(
+            f"{fn}: temp must be 0 or a finite float >= 2**-126 (1 / temp a finite float32), "
+            f"got {temp!r}"
+        )
     _check_fraction(fn, "top_p", top_p)
     _check_fraction(fn, "min_p", min_p)
     _check_count(fn, "min_tokens_to_keep", min_tokens_to_keep, 1)
@@ -187,7 +196,7 @@ class SpecSampler:
     mlx-lm does.
 
     Attributes:
-        temp (float): temperature, >= 0.
+        temp (float): temperature, 0 or in ``[MIN_TEMP, inf)``.
         top_p (float): nucleus mass in ``[0, 1]``; 0 or 1 is off.
         min_p (float): min-p in ``[0, 1]``; 0 is off.
         min_tokens_to_keep (int): tokens min-p always keeps, >= 1.
@@ -211,7 +220,8 @@ class SpecSampler:
         return self.temp == 0
 
     def _logits(self, logprobs: mx.array) -> mx.array:
-        """The filtered, temperature-scaled ``[..., V]`` logits (dtype of ``logprobs``)."""
+        """The filtered, temperature-scaled ``[..., V]`` logits, in the dtype of ``logprobs`` as
+        mlx-lm computes them, or float32 where those overflow (see :meth:`probs`)."""
         minus_inf = mx.array(-math.inf, dtype=logprobs.dtype)
         if 0.0 < self.top_p < 1.0:
             logprobs = mx.where(top_p_mask(logprobs, self.top_p), logprobs, minus_inf)
@@ -221,7 +231,18 @@ class SpecSampler:
         if self.top_k > 0:
             logprobs = mx.where(top_k_mask(logprobs, self.top_k), logprobs, minus_inf)
         # mlx-lm multiplies by the reciprocal, rounded to the logprobs dtype; so do we.
-        return logprobs * (1.0 / self.temp)
+        scale = 1.0 / self.temp
+        scaled = logprobs * scale
+        # The most likely token's log-probability is at least -log(V) (a little less after
+        # rounding): only past this bound can its scaled value overflow the dtype (float16
+        # below temp ~1e-4), making mlx-lm's whole row -inf or NaN, no distribution.
+        if scale * (math.log(logprobs.shape[-1]) + 1) < mx.finfo(logprobs.dtype).max:
+            return scaled
+        # Such rows are scaled in float32 after subtracting their maximum, which keeps the most
+        # likely token finite (0); the rows where mlx-lm's are finite stay mlx-lm's.
+        top = mx.max(logprobs, axis=-1, keepdims=True).astype(mx.float32)
+        shifted = (logprobs.astype(mx.float32) - top) * scale
+        return mx.where(mx.isfinite(mx.max(scaled, axis=-1, keepdims=True)), scaled, shifted)
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         """Draw one token per row, as mlx-lm's sampler with the same arguments does.
@@ -251,7 +272,11 @@ class SpecSampler:
         Returns:
             array: lazy ``[..., V]`` float32; rows sum to 1, filtered-out tokens are exactly 0.
             Greedy: the one-hot of the argmax (first index among ties). A row without any finite
-            log-probability gives NaN.
+            log-probability gives NaN. Equal to the distribution of mlx-lm's sampler on every
+            row where that is defined. At a temperature so low that the scaled log-probability
+            of a row's most likely token overflows the dtype (float16, below about ``1e-4``),
+            mlx-lm's row is ``-inf`` or NaN; there the temperature scales the row in float32,
+            after subtracting its maximum.
 
         Raises:
             ValueError: ``logprobs`` has no last axis or a non-float dtype.
@@ -278,7 +303,8 @@ def make_sampler(
     them; ``temp`` 0 is greedy.
 
     Args:
-        temp (float): temperature, finite and >= 0. Default: 0 (greedy).
+        temp (float): temperature, 0 or finite and at least :data:`MIN_TEMP` (``2**-126``).
+            Default: 0 (greedy).
         top_p (float): nucleus mass in ``[0, 1]``; 0 or 1 is off. Default: 0.
         min_p (float): min-p in ``[0, 1]``; 0 is off. Default: 0.
         min_tokens_to_keep (int): tokens min-p always keeps, >= 1. Default: 1.

@@ -243,6 +243,17 @@ def test_an_invalid_verification_row_raises_naming_its_position(target, drafts) 
         run(PROMPT, target, drafts["self"], max_tokens=4, logits_processors=[nan_logits])
 
 
+def test_a_tiny_temperature_with_float16_models_generates() -> None:
+    # 1 / 1e-5 overflows float16; the sampler scales those rows in float32 (issue 15), where
+    # they used to be NaN and stop the loop.
+    target = tiny_llama(0)
+    target.set_dtype(mx.float16)
+    draft = truncated(target, 1)
+    sampler = make_sampler(temp=1e-5)
+    tokens, _, _ = run(PROMPT, target, draft, max_tokens=24, sampler=sampler, key=mx.random.key(0))
+    assert len(tokens) == 24 and all(0 <= t < 256 for t in tokens)
+
+
 def test_same_key_same_tokens_and_seed_works(target, drafts) -> None:
     sampler = make_sampler(temp=1.0)
     args = (PROMPT, target, drafts["truncated"])

@@ -330,6 +330,8 @@ def test_row_without_mass_gives_nan():
         (dict(min_tokens_to_keep=0), "min_tokens_to_keep"),
         (dict(top_k=-1), "top_k"),
         (dict(top_k=2.5), "top_k"),
+        (dict(temp=1e-39), "temp"),
+        (dict(temp=5e-324), "temp"),
     ],
 )
 def test_bad_arguments_raise_naming_them(args, name):
@@ -373,3 +375,44 @@ def test_masks_take_streams_devices_and_device_types(name):
     expected = MASKS[name](row, None)
     for stream in (mx.cpu, mx.DeviceType.cpu, mx.default_stream(mx.cpu)):
         assert mx.array_equal(MASKS[name](row, stream), expected).item()
+
+
+def _temperature_distribution(row: mx.array, temp: float) -> np.ndarray:
+    """softmax(row / temp) in float64, from the values of ``row``."""
+    x = np.array(row.astype(mx.float32), np.float64) / temp
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def test_a_tiny_temperature_on_float16_gives_the_temperatures_distribution():
+    # 1 / 1e-5 overflows float16: in mlx-lm's float16 arithmetic every scaled row is -inf or
+    # NaN. probs is softmax(logprobs / temp), and __call__ draws from it.
+    temp = 1e-5
+    row = _random_logprobs((6, 40), mx.float16, seed=11)
+    theirs = mx.softmax((row * (1 / temp)).astype(mx.float32), axis=-1)
+    assert mx.isnan(theirs).all().item()
+    sampler = make_sampler(temp=temp)
+    probs = sampler.probs(row)
+    np.testing.assert_allclose(np.array(probs), _temperature_distribution(row, temp), atol=1e-6)
+    assert mx.array_equal(sampler(row), mx.argmax(probs, axis=-1)).item()
+
+
+@pytest.mark.parametrize("temp", [1e-2, 1e-3, 2e-4, 1e-4, 1 / 65504])
+def test_low_temperatures_on_float16_equal_mlx_lm_on_every_row_it_defines(temp):
+    # Sharp rows keep a finite most likely token in mlx-lm's float16 arithmetic; flat rows
+    # (most likely log-probability near -log(V)) overflow to -inf at the lowest temperatures.
+    rows = mx.concatenate(
+        [
+            _random_logprobs((4, 3000), mx.float16, seed=13),
+            _row([1 / 3000] * 3000, mx.float16)[None],
+        ]
+    )
+    theirs = mx.softmax((rows * (1 / temp)).astype(mx.float32), axis=-1)
+    probs = make_sampler(temp=temp).probs(rows)
+    expected = _temperature_distribution(rows, temp)
+    for i, defined in enumerate(np.array(mx.isfinite(theirs).all(axis=-1))):
+        if defined:
+            assert mx.array_equal(probs[i], theirs[i]).item()
+        else:
+            np.testing.assert_allclose(np.array(probs[i]), expected[i], atol=1e-6)
+    assert not mx.isnan(probs).any().item()
