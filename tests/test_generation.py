@@ -23,6 +23,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.sample_utils import make_sampler as lm_make_sampler
+from tiny_models import cut, tiny_llama
 
 from mlx_spec import kernels
 from mlx_spec.acceptance import accept_sampled, read
@@ -248,7 +249,7 @@ def test_a_tiny_temperature_with_float16_models_generates() -> None:
     # they used to be NaN and stop the loop.
     target = tiny_llama(0)
     target.set_dtype(mx.float16)
-    draft = truncated(target, 1)
+    draft = cut(target, 1)
     sampler = make_sampler(temp=1e-5)
     tokens, _, _ = run(PROMPT, target, draft, max_tokens=24, sampler=sampler, key=mx.random.key(0))
     assert len(tokens) == 24 and all(0 <= t < 256 for t in tokens)
