@@ -209,6 +209,7 @@ class _Generation:
         key: mx.array | None,
         stats: SpeculativeStats,
         prompt_cache: list[Any] | None = None,
+        group: mx.distributed.Group | None = None,
     ) -> None:
         self.text = text
         self.target = target
@@ -225,6 +226,11 @@ class _Generation:
         self.layers = [target.cache.layers]
         if isinstance(drafter, ModelDrafter):
             self.layers.append(drafter.cache.layers)
+        # On a group, adaptive lengths are chosen from rank 0's times, which every rank reads a
+        # round late: each rank then makes the same target calls.
+        self.group = group if lengths.adaptive else None
+        self._unrecorded: tuple[int, int, int, int] | None = None
+        self._microseconds = 0
 
     def round(self, remaining: int) -> tuple[list[int], int, mx.array]:
         """One draft-verify round, with one host read.
@@ -256,6 +262,9 @@ class _Generation:
             logits, draft.tokens, draft.probs, self.eos_array, verify_key, fused=self.fused
         )
         parts = [result, draft.tokens] + ([shadow.tokens] if shadow is not None else [])
+        if self.group is not None:
+            mine = self._microseconds if self.group.rank() == 0 else 0
+            parts.append(mx.distributed.all_sum(mx.array([mine], mx.uint32), group=self.group))
         values = mx.concatenate(parts).tolist()  # the round's one host read
         accepted, token = values[0], values[1]
         check_next("speculative_generate_step", token)
@@ -273,9 +282,14 @@ class _Generation:
         self.stats.drafted += draft.size
         self.stats.accepted += accepted
         self.stats.replayed += pending - 1
-        self.lengths.record(
-            draft.size, accepted, pending + draft.size, draft.steps, time.perf_counter() - start
-        )
+        counts = (draft.size, accepted, pending + draft.size, draft.steps)
+        seconds = time.perf_counter() - start
+        if self.group is None:
+            self.lengths.record(*counts, seconds)
+        else:
+            if self._unrecorded is not None:
+                self.lengths.record(*self._unrecorded, values[-1] / 1e6)
+            self._unrecorded, self._microseconds = counts, min(int(seconds * 1e6), 2**32 - 1)
         return tokens, kept, logprobs
 
     def finish(self, consumed: int, feed: bool) -> None:
@@ -558,10 +572,11 @@ def speculative_generate_step(
     if rule.kind == "match":
         _opaque_warning()
     seed = None
+    models = [model, chosen.model] if isinstance(chosen, ModelDrafter) else [model]
+    group = model_group(*models)
     if rule.random:
         # Every rank of a group the models run on must draw the same tokens.
-        models = [model, chosen.model] if isinstance(chosen, ModelDrafter) else [model]
-        key = agree_key(op, key, model_group(*models), stream=stream)
+        key = agree_key(op, key, group, stream=stream)
         key, drafter_key = mx.random.split(key)
         high, low = drafter_key.tolist()
         seed = high << 32 | low
@@ -591,6 +606,7 @@ def speculative_generate_step(
         key,
         stats if stats is not None else SpeculativeStats(),
         prompt_cache,
+        group,
     )
     progress = prompt_progress_callback or (lambda *_: None)
     return _run(generation, setup, stream, max_tokens, prefill_step_size, progress)

@@ -68,8 +68,9 @@ def generate(
 
 
 SPECULATION = re.compile(
-    r"Speculation: N = (\d+), (\d+) rounds, (\d+) drafted, (\d+) accepted "
-    r"\(acceptance rate ([\d.]+)%\), ([\d.]+) tokens per round"
+    r"Speculation: (?P<drafter>draft model|prompt lookup), N (?P<length>fixed|adaptive, at most) "
+    r"(?P<n>\d+), (?P<rounds>\d+) rounds, (?P<drafted>\d+) drafted, (?P<accepted>\d+) accepted "
+    r"\(acceptance rate (?P<rate>[\d.]+)%\), (?P<per_round>[\d.]+) tokens per round"
 )
 
 
@@ -143,19 +144,33 @@ def test_no_subcommand_is_a_one_line_error():
 # -- generate ----------------------------------------------------------------------------------
 
 
-def assert_drafted(drafted: int, n: int, rounds: int) -> None:
+def assert_drafted(drafted: int, n: int, rounds: int, generations: int = 1) -> None:
     """A round drafts ``n`` tokens unless fewer than ``n + 1`` are left to generate, which is so
-    in at most the last ``n`` rounds of a generation."""
-    assert n * (rounds - n) <= drafted <= n * rounds
+    in at most the last ``n`` rounds of each generation."""
+    assert n * (rounds - n * generations) <= drafted <= n * rounds
 
 
 def test_generate_streams_text_and_consistent_counts():
     proc = generate(
-        "--temp", "0.8", "--top-p", "0.95", "-n", "3", "--max-tokens", "24", "--seed", "11"
+        "--temp",
+        "0.8",
+        "--top-p",
+        "0.95",
+        "-n",
+        "3",
+        "--max-tokens",
+        "24",
+        "--seed",
+        "11",
+        "--fixed",
     )
     assert proc.returncode == 0, proc.stderr
     assert generated_text(proc.stdout).strip()
-    n, rounds, drafted, accepted, rate, per_round = SPECULATION.search(proc.stdout).groups()
+    found = SPECULATION.search(proc.stdout)
+    assert found["drafter"] == "draft model" and found["length"] == "fixed"
+    n, rounds, drafted, accepted, rate, per_round = found.group(
+        "n", "rounds", "drafted", "accepted", "rate", "per_round"
+    )
     tokens = int(re.search(r"Generation: (\d+) tokens", proc.stdout).group(1))
     assert int(n) == 3
     assert_drafted(int(drafted), 3, int(rounds))
@@ -170,7 +185,9 @@ def test_generate_streams_text_and_consistent_counts():
 
 
 def test_generate_with_a_seed_is_reproducible():
-    args = ("--temp", "1.0", "--max-tokens", "16", "--seed", "7")
+    # With a fixed draft length: adaptive lengths follow measured times, and the text sampled
+    # with a key depends on how the rounds fall.
+    args = ("--temp", "1.0", "--max-tokens", "16", "--seed", "7", "--fixed")
     first, second = generate(*args), generate(*args)
     assert first.returncode == second.returncode == 0
     assert generated_text(first.stdout) == generated_text(second.stdout)
@@ -188,6 +205,76 @@ def test_greedy_generate_prints_the_targets_greedy_text():
     model, tokenizer = load(TARGET)
     expected = mlx_lm_generate(model, tokenizer, prompt, max_tokens=24)
     assert generated_text(proc.stdout) == expected
+
+
+def lookup(*extra: str, model: str = TARGET, prompt: str = "def f(x):"):
+    return mlx_spec_cmd("generate", "--model", model, "--prompt-lookup", "--prompt", prompt, *extra)
+
+
+def test_prompt_lookup_needs_no_draft_model_and_is_lossless():
+    from mlx_lm import generate as mlx_lm_generate
+    from mlx_lm import load
+
+    code = "def area(r):\n    return 3.14 * r * r\n\n"
+    prompt = code * 2 + "def area(r):\n"
+    proc = lookup("--temp", "0", "--max-tokens", "40", "--ignore-chat-template", prompt=prompt)
+    assert proc.returncode == 0, proc.stderr
+    found = SPECULATION.search(proc.stdout)
+    assert found["drafter"] == "prompt lookup" and found["length"] == "adaptive, at most"
+    model, tokenizer = load(TARGET)
+    assert generated_text(proc.stdout) == mlx_lm_generate(model, tokenizer, prompt, max_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def hybrid_folder(tmp_path_factory) -> str:
+    """A tiny qwen3_next hybrid (recurrent and attention layers) with the demo's tokenizer."""
+    from tiny_models import save_model_folder, tiny_qwen3_next
+
+    folder = tmp_path_factory.mktemp("hybrid") / "model"
+    save_model_folder(tiny_qwen3_next(0, vocab=4096), folder, tokenizer_from=Path(TARGET))
+    return str(folder)
+
+
+@pytest.mark.parametrize("drafts", ["--prompt-lookup", "--draft-model"])
+def test_a_hybrid_model_speculates_through_the_command(hybrid_folder, drafts):
+    from mlx_lm import generate as mlx_lm_generate
+    from mlx_lm import load
+
+    extra = ["--prompt-lookup"] if drafts == "--prompt-lookup" else ["--draft-model", hybrid_folder]
+    prompt = "def f(x):\n    return x\n\ndef f(x):\n"
+    proc = mlx_spec_cmd(
+        "generate", "--model", hybrid_folder, "--prompt", prompt, *extra,
+        "--temp", "0", "--max-tokens", "30", "--fixed", "-n", "3",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    model, tokenizer = load(hybrid_folder)
+    expected = mlx_lm_generate(model, tokenizer, prompt, max_tokens=30)
+    assert generated_text(proc.stdout) == expected
+    assert int(SPECULATION.search(proc.stdout)["drafted"]) > 0
+
+
+def test_kv_bits_and_max_kv_size_reach_the_loop():
+    from mlx_lm import generate as mlx_lm_generate
+    from mlx_lm import load
+
+    prompt = "class Queue:\n    def put(self, item):\n"
+    options = ("--kv-bits", "8", "--max-kv-size", "64")
+    proc = generate("--temp", "0", "--max-tokens", "24", *options, prompt=prompt)
+    assert proc.returncode == 0, proc.stderr
+    model, tokenizer = load(TARGET)
+    expected = mlx_lm_generate(model, tokenizer, prompt, max_tokens=24, kv_bits=8, max_kv_size=64)
+    assert generated_text(proc.stdout) == expected
+    # The loop's own check answers, so the options reached it.
+    assert_one_line_error(generate("--kv-bits", "7"), "`kv_bits` must be None or one of")
+
+
+def test_draft_model_and_prompt_lookup_exclude_each_other():
+    both = mlx_spec_cmd(
+        "generate", "--model", TARGET, "--draft-model", DRAFT, "--prompt-lookup", "--prompt", "x"
+    )
+    assert_one_line_error(both, "not allowed with argument")
+    neither = mlx_spec_cmd("generate", "--model", TARGET, "--prompt", "x")
+    assert_one_line_error(neither, "one of the arguments --draft-model --prompt-lookup")
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -266,8 +353,11 @@ def test_draft_with_another_tokenizer_of_the_same_size(tmp_path):
     assert_one_line_error(proc, "different tokenizers", "2 of 4096 tokens")
 
 
-def test_draft_whose_cache_cannot_be_trimmed(tmp_path):
-    """A state-space draft (mamba): its recurrent cache cannot be rewound after a round."""
+def test_a_state_space_draft_is_rolled_back_by_its_checkpoints(tmp_path):
+    """A mamba draft: its recurrent caches cannot be trimmed, so they are restored from the
+    checkpoints taken at each draft step, and the text is still the target's greedy text."""
+    from mlx_lm import generate as mlx_lm_generate
+    from mlx_lm import load
     from mlx_lm.models import mamba
 
     config = {
@@ -289,8 +379,14 @@ def test_draft_whose_cache_cannot_be_trimmed(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEMO / "draft" / name, folder / name)
-    proc = generate(draft=str(folder))
-    assert_one_line_error(proc, "draft model's cache cannot be trimmed", "ArraysCache")
+    prompt = "class Queue:\n    def put(self, item):\n"
+    proc = generate(
+        "--temp", "0", "--max-tokens", "24", "--fixed", draft=str(folder), prompt=prompt
+    )
+    assert proc.returncode == 0, proc.stderr
+    model, tokenizer = load(TARGET)
+    assert generated_text(proc.stdout) == mlx_lm_generate(model, tokenizer, prompt, max_tokens=24)
+    assert int(SPECULATION.search(proc.stdout)["drafted"]) > 0
 
 
 @pytest.mark.parametrize(
@@ -343,7 +439,7 @@ def test_generate_takes_the_bounds_of_its_options(args):
 
 def test_generate_needs_its_models():
     proc = mlx_spec_cmd("generate", "--prompt", "hi")
-    assert_one_line_error(proc, "required", "--model", "--draft-model")
+    assert_one_line_error(proc, "required", "--model")
 
 
 @pytest.mark.parametrize(
@@ -632,7 +728,8 @@ def test_bench_quick_writes_results_and_plots(tmp_path):
             assert row[method]["tokens"] == tokens
             assert row[method]["rounds"] <= tokens
         assert row["plain"]["rounds"] == tokens
-        assert_drafted(row["mlx-spec"]["drafted"], row["N"], row["mlx-spec"]["rounds"])
+        generations = len(settings["prompts"])
+        assert_drafted(row["mlx-spec"]["drafted"], row["N"], row["mlx-spec"]["rounds"], generations)
         if row["temp"] == 0:
             assert row["mlx-spec"]["rounds"] == row["mlx-lm"]["rounds"]
     for name in ("acceptance.png", "generation.png"):

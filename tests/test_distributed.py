@@ -308,3 +308,22 @@ def test_load_sharded_on_a_group_of_one_loads_the_whole_model() -> None:
     assert model_group(model) is None
     assert parameter_count(model) == parameter_count(whole("tensor")["target"])
     assert tokenizer.encode("def")
+
+
+# --- the command --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("drafts", [["--prompt-lookup"], ["--draft-model", "DRAFT"]])
+def test_the_command_splits_the_target_and_only_rank_0_prints(drafts) -> None:
+    demo = ROOT / "mlx_spec" / "demo"
+    drafts = [str(demo / "draft") if d == "DRAFT" else d for d in drafts]
+    prompt = "def area(r):\n    return 3.14 * r * r\n\ndef area(r):\n"
+    output = launch(
+        sys.executable, "-m", "mlx_spec", "generate", "--model", str(demo / "target"), *drafts,
+        "--prompt", prompt, "--temp", "0.8", "--max-tokens", "24", "--ignore-chat-template",
+    )  # fmt: skip
+    # One summary: rank 1 printed nothing, and no rank failed.
+    assert output.count("Speculation: ") == 1, output
+    assert output.count("==========") == 1 and "Traceback" not in output, output
+    # No --seed: the ranks agreed on rank 0's fresh seed (else the key check would have failed).
+    assert "seed " in output.split("Speculation: ")[1]

@@ -14,7 +14,9 @@ agrees with the model on most tokens.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -175,3 +177,14 @@ def cut(model: nn.Module, layers: int) -> nn.Module:
     )
     mx.eval(small.parameters())
     return small
+
+
+def save_model_folder(model: nn.Module, folder: Path, tokenizer_from: Path) -> None:
+    """Writes ``model`` as an mlx-lm model folder, with the tokenizer files of ``tokenizer_from``
+    (a model folder whose tokenizer has at most the model's vocabulary)."""
+    from mlx_lm.utils import save_config, save_model
+
+    save_model(folder, model)
+    save_config(dataclasses.asdict(model.args), folder / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_from / name, folder / name)

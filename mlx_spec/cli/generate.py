@@ -1,7 +1,9 @@
-"""``mlx-spec generate``: speculative generation with any mlx-lm model pair, streamed.
+"""``mlx-spec generate``: speculative generation with any mlx-lm model, streamed.
 
-The target and the draft are loaded and checked (same tokenizer, caches that can be rewound)
-before any generation; the speculation's counts come at the end.
+Drafts come from a draft model (``--draft-model``, same tokenizer as the target) or from prompt
+lookup (``--prompt-lookup``, no second model). The models are loaded and checked before any
+generation; the speculation's counts come at the end. Started by ``mlx.launch`` on several ranks,
+the target is split over them (mlx-lm's sharded loading) and only rank 0 prints.
 """
 
 from __future__ import annotations
@@ -46,11 +48,16 @@ def setup_arg_parser() -> Parser:
         required=True,
         help="target: a local mlx-lm folder or a name mlx-lm resolves",
     )
-    parser.add_argument(
+    drafts = parser.add_mutually_exclusive_group(required=True)
+    drafts.add_argument(
         "--draft-model",
         type=utf8_text,
-        required=True,
         help="draft model sharing the target's tokenizer",
+    )
+    drafts.add_argument(
+        "--prompt-lookup",
+        action="store_true",
+        help="draft by prompt lookup (n-gram matches in the prompt and the text so far), no model",
     )
     parser.add_argument("--prompt", type=utf8_text, required=True, help="the prompt text (UTF-8)")
     parser.add_argument(
@@ -70,8 +77,17 @@ def setup_arg_parser() -> Parser:
         "--num-draft-tokens",
         "-n",
         type=num_draft_tokens,
-        default=2,
-        help=f"draft tokens per round, 1 to {MAX_DRAFT_TOKENS} ({DRAFT_TOKENS_WHY}); default: 2",
+        default=8,
+        help=(
+            f"the most draft tokens a round, 1 to {MAX_DRAFT_TOKENS} ({DRAFT_TOKENS_WHY}); each "
+            "round drafts the number that pays most, measured as it runs, unless --fixed "
+            "(default: 8)"
+        ),
+    )
+    parser.add_argument(
+        "--fixed",
+        action="store_true",
+        help="draft exactly --num-draft-tokens every round (mlx-lm's behaviour)",
     )
     parser.add_argument(
         "--max-tokens",
@@ -85,6 +101,23 @@ def setup_arg_parser() -> Parser:
         type=seed,
         default=None,
         help="random seed, 0 to 2**64 - 1 (default: a fresh one)",
+    )
+    parser.add_argument(
+        "--max-kv-size",
+        type=integer(1),
+        default=None,
+        help="rotating caches of this many tokens for models without their own (mlx-lm's option)",
+    )
+    parser.add_argument(
+        "--kv-bits",
+        type=integer(2, 8),
+        default=None,
+        help="quantize the caches to this many bits (2, 3, 4, 5, 6 or 8; mlx-lm's option)",
+    )
+    parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="under mlx.launch, split the target into stages of layers instead of each layer",
     )
     parser.add_argument(
         "--ignore-chat-template",
@@ -181,32 +214,36 @@ def check_pair(tokenizer: Any, draft_tokenizer: Any) -> None:
         )
 
 
-def check_caches(target: Any, draft: Any) -> None:
-    """Raises :class:`CliError` when either model's KV cache cannot be trimmed."""
-    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
-
-    for role, model in (("target", target), ("draft", draft)):
-        cache = make_prompt_cache(model)
-        if not can_trim_prompt_cache(cache):
-            kinds = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
-            raise CliError(
-                f"the {role} model's cache cannot be trimmed ({', '.join(kinds)}): speculative "
-                "decoding rewinds both caches after each round; use models with an attention "
-                "KV cache (not recurrent or state-space layers)"
-            )
-
-
 # -- the command -------------------------------------------------------------------------------
 
 
 def _generate(args: argparse.Namespace) -> int:
-    target, tokenizer = load_model(args.model, "target")
-    draft, draft_tokenizer = load_model(args.draft_model, "draft")
-    check_pair(tokenizer, draft_tokenizer)
-    check_caches(target, draft)
-    # Imported after the checks (they import mlx-lm): a wrong folder is refused at once.
+    # Imported after the options are checked: mlx is slow to import, and --help should not wait.
     import mlx.core as mx
 
+    from ..distributed import fresh_seed, load_sharded
+
+    group = mx.distributed.init()
+    # Under mlx.launch every rank runs this; the others print nothing.
+    speak = group.rank() == 0
+    folder = _model_folder(args.model, "target")
+    if group.size() > 1:
+        try:
+            target, tokenizer = load_sharded(
+                args.model if folder is None else folder, group, pipeline=args.pipeline
+            )
+        except Exception as error:
+            raise CliError(
+                f"could not split the target {shown(args.model)} over {group.size()} ranks "
+                f"({_first_line(error)})"
+            ) from None
+    else:
+        target, tokenizer = load_model(args.model, "target")
+    options: dict[str, Any] = {"drafter": "prompt-lookup"}
+    if args.draft_model is not None:
+        draft, draft_tokenizer = load_model(args.draft_model, "draft")
+        check_pair(tokenizer, draft_tokenizer)
+        options = {"draft_model": draft}
     from ..generation import SpeculativeStats, stream_generate
     from ..sampling import make_sampler
 
@@ -215,7 +252,7 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
-    key_seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    key_seed = args.seed if args.seed is not None else fresh_seed(group)
     sampler = make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
     stats = SpeculativeStats()
     response = None
@@ -225,15 +262,21 @@ def _generate(args: argparse.Namespace) -> int:
             tokenizer,
             prompt,
             max_tokens=args.max_tokens,
-            draft_model=draft,
             sampler=sampler,
             num_draft_tokens=args.num_draft_tokens,
+            adaptive=not args.fixed,
+            max_kv_size=args.max_kv_size,
+            kv_bits=args.kv_bits,
             key=mx.random.key(key_seed),
             stats=stats,
+            **options,
         ):
-            print(response.text, end="", flush=True)
+            if speak:
+                print(response.text, end="", flush=True)
     except ValueError as error:
         raise CliError(str(error)) from None
+    if not speak:
+        return 0
     print()
     print("=" * 10)
     if response is not None:
@@ -242,8 +285,10 @@ def _generate(args: argparse.Namespace) -> int:
             f"Generation: {response.generation_tokens} tokens, "
             f"{response.generation_tps:.1f} tokens/s ({response.finish_reason})"
         )
+    drafter = "prompt lookup" if args.prompt_lookup else "draft model"
+    length = "fixed" if args.fixed else "adaptive, at most"
     print(
-        f"Speculation: N = {args.num_draft_tokens}, {stats.rounds} rounds, "
+        f"Speculation: {drafter}, N {length} {args.num_draft_tokens}, {stats.rounds} rounds, "
         f"{stats.drafted} drafted, {stats.accepted} accepted "
         f"(acceptance rate {stats.acceptance_rate:.1%}), "
         f"{stats.tokens_per_round:.2f} tokens per round; seed {key_seed}"
