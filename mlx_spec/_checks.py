@@ -1,13 +1,19 @@
-"""Argument handling shared by the public ops.
+"""Argument handling shared by the public functions: the acceptance ops and the generation API.
 
-Every check reads shapes and dtypes only (never values), so it is free, works on lazy arrays and
-under ``mx.vmap`` and ``mx.compile``, and its error names the function, the argument, its shape
-and its dtype. :func:`device_type` resolves the ops' ``stream`` argument. What cannot be checked
-without reading values is checked inside the acceptance graphs (and the kernels) and reported
-through :data:`INVALID_ROW`; the two constants of that contract live here, where both see them.
+Every check of the ops reads shapes and dtypes only (never values), so it is free, works on lazy
+arrays and under ``mx.vmap`` and ``mx.compile``, and its error names the function, the argument,
+its shape and its dtype. The generation API's checks run once before any work; of array values,
+they read only the prompt's ids (one host read). :func:`device_type` resolves the ops' ``stream``
+argument. What cannot be checked without reading values is checked inside the acceptance graphs
+(and the kernels) and reported through :data:`INVALID_ROW`; the two constants of that contract
+live here, where both see them.
 """
 
 from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import mlx.core as mx
 
@@ -133,3 +139,84 @@ def device_type(stream: StreamOrDevice) -> mx.DeviceType:
     if isinstance(stream, mx.Stream):
         stream = stream.device
     return stream if isinstance(stream, mx.DeviceType) else stream.type
+
+
+# -- the generation API -------------------------------------------------------------------------
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(op: str, name: str, value: object, least: int, most: int | None = None) -> int:
+    if not is_int(value) or value < least or (most is not None and value > most):
+        bound = f">= {least}" if most is None else f"in [{least}, {most}]"
+        raise ValueError(f"{op}: `{name}` must be an int {bound}, got {value!r}")
+    return int(value)
+
+
+def check_callable(op: str, name: str, value: object) -> None:
+    if value is not None and not callable(value):
+        raise ValueError(f"{op}: `{name}` must be callable or None, got {value!r}")
+
+
+def check_prompt(op: str, prompt: object, vocab: int | None) -> list[int]:
+    """Checks the ``[L]`` integer prompt and reads its ids (one host read)."""
+    if not isinstance(prompt, mx.array) or prompt.ndim != 1 or prompt.size == 0:
+        shown = describe(prompt) if isinstance(prompt, mx.array) else type(prompt).__name__
+        raise ValueError(f"{op}: `prompt` must be a non-empty [L] array of token ids, got {shown}")
+    if not mx.issubdtype(prompt.dtype, mx.integer):
+        raise ValueError(f"{op}: `prompt` must hold integer token ids, got dtype {prompt.dtype}")
+    ids = prompt.tolist()
+    low, high = min(ids), max(ids)
+    limit = vocab if vocab is not None else 2**32
+    if low < 0 or high >= limit:
+        bad = low if low < 0 else high
+        where = f"the target's vocabulary [0, {vocab})" if vocab is not None else "[0, 2**32)"
+        raise ValueError(f"{op}: `prompt` holds token id {bad}, outside {where}")
+    return ids
+
+
+def check_eos_ids(op: str, eos_token_ids: object) -> list[int]:
+    if eos_token_ids is None:
+        return []
+    if isinstance(eos_token_ids, (str, bytes)) or not isinstance(eos_token_ids, Iterable):
+        raise ValueError(
+            f"{op}: `eos_token_ids` must be an iterable of int token ids, got {eos_token_ids!r}"
+        )
+    ids = list(eos_token_ids)
+    for i in ids:
+        if not is_int(i) or not 0 <= i < 2**32:
+            raise ValueError(f"{op}: `eos_token_ids` must hold int ids in [0, 2**32), got {i!r}")
+    return [int(i) for i in ids]
+
+
+def check_processors(op: str, processors: object) -> list[Callable[..., Any]]:
+    if processors is None:
+        return []
+    if callable(processors) or not isinstance(processors, Sequence):
+        raise ValueError(
+            f"{op}: `logits_processors` must be a list of callables, got {processors!r}"
+        )
+    for processor in processors:
+        if not callable(processor):
+            raise ValueError(
+                f"{op}: `logits_processors` must hold callables, got {processor!r} in it"
+            )
+    return list(processors)
+
+
+def check_kv_bits(op: str, kv_bits: object, kv_group_size: object, start: object) -> None:
+    if kv_bits is not None and (not is_int(kv_bits) or kv_bits not in (2, 3, 4, 5, 6, 8)):
+        raise ValueError(
+            f"{op}: `kv_bits` must be None or one of 2, 3, 4, 5, 6, 8, got {kv_bits!r}"
+        )
+    if not is_int(kv_group_size) or kv_group_size not in (32, 64, 128):
+        raise ValueError(f"{op}: `kv_group_size` must be 32, 64 or 128, got {kv_group_size!r}")
+    check_int(op, "quantized_kv_start", start, 0)
+
+
+def check_prompt_cache(op: str, prompt_cache: object) -> list[Any] | None:
+    if prompt_cache is not None and not isinstance(prompt_cache, list):
+        raise ValueError(f"{op}: `prompt_cache` must be a list of caches, got {prompt_cache!r}")
+    return prompt_cache

@@ -2,28 +2,15 @@
 
 :func:`speculative_generate_step` has the signature and the yields of
 ``mlx_lm.generate.speculative_generate_step``, and also drafts without a second model
-(``drafter="prompt-lookup"``). Each round:
-
-1. the drafter (:mod:`mlx_spec.drafters`) proposes up to ``N`` tokens, with the distributions
-   they were drawn from when the generation samples;
-2. the target scores the tokens it still lacks and the ``N`` drafts in one call;
-3. the generation's rule (:mod:`mlx_spec.rules`) decides on the device how many draft tokens to
-   keep and the token after them (:func:`mlx_spec.accept_greedy` or
-   :func:`mlx_spec.accept_sampled`);
-4. one host read brings back that ``[3]`` result together with the draft tokens;
-5. every cache is taken back to what was kept (:mod:`mlx_spec.caches`): trimmed where that is
-   exact, else restored from a checkpoint, the kept tokens then going into the next round's call.
-
-``N`` is ``num_draft_tokens``, or with ``adaptive=True`` the number that pays most each round
-(:mod:`mlx_spec.draft_length`). :func:`stream_generate` and :func:`generate` mirror mlx-lm's
-functions.
+(``drafter="prompt-lookup"``); it checks its arguments, builds the parts of the generation and
+hands them to the loop (:mod:`mlx_spec.loop`). ``N`` is ``num_draft_tokens``, or with
+``adaptive=True`` the number that pays most each round (:mod:`mlx_spec.draft_length`).
+:func:`stream_generate` and :func:`generate` mirror mlx-lm's functions of those names.
 """
 
 from __future__ import annotations
 
 import importlib
-import math
-import numbers
 import time
 import warnings
 from collections.abc import Callable, Generator, Iterable, Sequence
@@ -34,17 +21,25 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import GenerationResponse, generation_stream, wired_limit
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import kernels
-from ._checks import check_key, describe
-from .acceptance import check_next
-from .caches import ModelCache, check_caches, decode_masks
+from ._checks import (
+    check_callable,
+    check_eos_ids,
+    check_int,
+    check_key,
+    check_kv_bits,
+    check_processors,
+    check_prompt,
+    check_prompt_cache,
+)
+from .caches import ModelCache, check_caches
 from .distributed import agree_key, model_group
 from .draft_length import MAX_DRAFT_TOKENS, DraftLength
 from .drafters import Drafter, DraftSetup, ModelDrafter, PromptLookupDrafter, Text
-from .rules import Rule, make_rule
+from .loop import Generation, SpeculativeStats, Target, run, vocab_size
+from .rules import make_rule
 
 # The module, not the function ``mlx_lm.generate`` that the package exports under that name.
 _lm_generate = importlib.import_module("mlx_lm.generate")
@@ -67,36 +62,6 @@ _LM_STREAM_GENERATE = _lm_generate.stream_generate
 
 
 @dataclass
-class SpeculativeStats:
-    """Counts of one speculative generation, updated as it runs.
-
-    Attributes:
-        rounds (int): verification calls of the target.
-        drafted (int): draft tokens verified, over all rounds.
-        accepted (int): draft tokens the target accepted, over all rounds.
-        generated (int): tokens yielded to the caller.
-        replayed (int): tokens fed to the target again because its caches were restored from a
-            checkpoint (models with recurrent layers), over all rounds.
-    """
-
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    generated: int = 0
-    replayed: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        """float: ``accepted / drafted`` (0 before any draft)."""
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_round(self) -> float:
-        """float: ``generated / rounds``, the mean tokens a target call yields (0 before any)."""
-        return self.generated / self.rounds if self.rounds else 0.0
-
-
-@dataclass
 class SpeculativeResponse(GenerationResponse):
     """mlx-lm's ``GenerationResponse`` with the generation's :class:`SpeculativeStats` so far.
 
@@ -108,204 +73,6 @@ class SpeculativeResponse(GenerationResponse):
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
 
 
-def _vocab_size(model: nn.Module) -> int | None:
-    """The ids ``model`` can embed: its first embedding's rows (``None`` if it has none)."""
-    for _, module in model.named_modules():
-        if isinstance(module, nn.QuantizedEmbedding):
-            return module.num_embeddings
-        if isinstance(module, nn.Embedding):
-            return module.weight.shape[0]
-    return None
-
-
-class _Target:
-    """The target model: its caches, its logits processors and the ids it can embed."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        cache: ModelCache,
-        processors: Sequence[LogitsProcessor],
-        quantize: Callable[[list[Any]], None],
-        quantized_kv_start: int | None,
-        vocab: int | None,
-    ) -> None:
-        self.model = model
-        self.cache = cache
-        self.processors = list(processors)
-        self.quantize = quantize
-        self.quantized_kv_start = quantized_kv_start
-        self.vocab = vocab
-
-    def feed(self, tokens: mx.array) -> mx.array:
-        """Runs the model on ``[k]`` tokens; returns its ``[k, V]`` logits (lazy)."""
-        logits = self.model(tokens[None], cache=self.cache.layers)
-        self.cache.fed(tokens.size)
-        return logits[0]
-
-    def prefill(self, text: Text, step: int) -> None:
-        """Feeds all prompt tokens but the last, ``step`` at a time, quantizing as mlx-lm does."""
-        while self.cache.length < len(text) - 1:
-            self.feed(text.tokens(self.cache.length, min(self.cache.length + step, len(text) - 1)))
-            self.quantize(self.cache.layers)
-            mx.eval([c.state for c in self.cache.layers])
-
-    def room(self) -> int:
-        """How many tokens a call may feed before a cache still in full precision passes the
-        length from which mlx-lm quantizes it: mlx-lm's one-token steps switch there, so a
-        verification must not straddle it to give the same logits."""
-        if self.quantized_kv_start is None:
-            return MAX_DRAFT_TOKENS + 1
-        offsets = [c.offset for c in self.cache.layers if type(c) is KVCache]
-        if not offsets or max(offsets) >= self.quantized_kv_start:
-            return MAX_DRAFT_TOKENS + 1
-        return self.quantized_kv_start - max(offsets)
-
-    def verify(self, text: Text, draft: mx.array) -> mx.array:
-        """Scores the tokens the caches lack and ``[N]`` draft tokens in one call.
-
-        Returns:
-            array: the ``[N + 1, V]`` logits (after the processors) of the positions that decide
-            the draft, lazy.
-        """
-        n = draft.size
-        self.cache.checkpoint()
-        # A draft id the target cannot embed is never accepted; feed a valid id in its place.
-        fed = draft if self.vocab is None else mx.minimum(draft, self.vocab - 1)
-        with decode_masks(self.cache.layers):
-            logits = self.feed(mx.concatenate([text.tokens(self.cache.length), fed]))[-(n + 1) :]
-        if not self.processors:
-            return logits
-        context = text.array()
-        rows = []
-        for i in range(n + 1):
-            tokens = mx.concatenate([context, draft[:i]]) if i else context
-            row = logits[i : i + 1]
-            for processor in self.processors:
-                row = processor(tokens, row)
-            rows.append(row)
-        return mx.concatenate(rows)
-
-    def keep(self, length: int) -> int:
-        """Keeps ``length`` tokens of the text, or fewer where a checkpoint had to be restored;
-        then quantizes as mlx-lm would. Returns the tokens the caches hold."""
-        held = self.cache.rewind(length)
-        self.cache.forget()
-        self.quantize(self.cache.layers)
-        return held
-
-
-class _Generation:
-    """One speculative generation: the text, the target, the drafter and the rule."""
-
-    def __init__(
-        self,
-        text: Text,
-        target: _Target,
-        drafter: Drafter,
-        rule: Rule,
-        lengths: DraftLength,
-        eos: list[int],
-        key: mx.array | None,
-        stats: SpeculativeStats,
-        prompt_cache: list[Any] | None = None,
-        group: mx.distributed.Group | None = None,
-    ) -> None:
-        self.text = text
-        self.target = target
-        self.drafter = drafter
-        self.rule = rule
-        self.lengths = lengths
-        self.eos_set = set(eos)
-        self.eos_array = mx.array(eos, dtype=mx.uint32) if eos else None
-        # The fused kernels where MLX runs on CUDA (the loop never vmaps).
-        self.fused = kernels.available()
-        self.key = key
-        self.stats = stats
-        self.prompt_cache = prompt_cache
-        self.layers = [target.cache.layers]
-        if isinstance(drafter, ModelDrafter):
-            self.layers.append(drafter.cache.layers)
-        # On a group, adaptive lengths are chosen from rank 0's times, which every rank reads a
-        # round late: each rank then makes the same target calls.
-        self.group = group if lengths.adaptive else None
-        self._unrecorded: tuple[int, int, int, int] | None = None
-        self._microseconds = 0
-
-    def round(self, remaining: int) -> tuple[list[int], int, mx.array]:
-        """One draft-verify round, with one host read.
-
-        Args:
-            remaining (int): the most tokens this round may emit, ``>= 1``.
-
-        Returns:
-            tuple: the tokens to emit (at most ``remaining``; none after an EOS), how many of
-            them came from the draft, and the ``[N + 1, V]`` log-probabilities (lazy).
-        """
-        start = time.perf_counter()
-        length = len(self.text)
-        pending = length - self.target.cache.length
-        cap = min(remaining - 1, self.target.room() - pending)
-        n = self.lengths.choose(pending, max(cap, 0), self.target.cache.replays)
-        draft_key = verify_key = None
-        if self.rule.random:
-            self.key, draft_key, verify_key = mx.random.split(self.key, 3)
-        draft = self.drafter.propose(self.text, n, draft_key)
-        # Nothing to verify: a free drafter is still asked, to measure its acceptance.
-        shadow = (
-            self.drafter.propose(self.text, 1, None)
-            if draft.size == 0 and self.lengths.adaptive and self.drafter.free
-            else None
-        )
-        logits = self.target.verify(self.text, draft.tokens)
-        result, logprobs = self.rule.decide(
-            logits, draft.tokens, draft.probs, self.eos_array, verify_key, fused=self.fused
-        )
-        parts = [result, draft.tokens] + ([shadow.tokens] if shadow is not None else [])
-        if self.group is not None:
-            mine = self._microseconds if self.group.rank() == 0 else 0
-            parts.append(mx.distributed.all_sum(mx.array([mine], mx.uint32), group=self.group))
-        values = mx.concatenate(parts).tolist()  # the round's one host read
-        accepted, token = values[0], values[1]
-        check_next("speculative_generate_step", token)
-        tokens = values[3 : 3 + accepted]
-        if not (tokens and tokens[-1] in self.eos_set):
-            tokens.append(token)
-        tokens = tokens[:remaining]
-        kept = min(accepted, len(tokens))
-        self.text.extend(tokens)
-        self.target.keep(length + kept)
-        self.drafter.update(self.text, kept)
-        if shadow is not None and shadow.size:
-            self.lengths.shadow(int(values[3 + draft.size] == token), 1)
-        self.stats.rounds += 1
-        self.stats.drafted += draft.size
-        self.stats.accepted += accepted
-        self.stats.replayed += pending - 1
-        counts = (draft.size, accepted, pending + draft.size, draft.steps)
-        seconds = time.perf_counter() - start
-        if self.group is None:
-            self.lengths.record(*counts, seconds)
-        else:
-            if self._unrecorded is not None:
-                self.lengths.record(*self._unrecorded, values[-1] / 1e6)
-            self._unrecorded, self._microseconds = counts, min(int(seconds * 1e6), 2**32 - 1)
-        return tokens, kept, logprobs
-
-    def finish(self, consumed: int, feed: bool) -> None:
-        """Leaves every cache holding the prompt and the ``consumed`` tokens; feeding what a
-        cache lacks only when ``feed``."""
-        length = self.text.prompt.size + consumed
-        held = self.target.cache.rewind(length)
-        if feed and held < length:
-            self.target.feed(self.text.tokens(held, length))
-        self.target.cache.forget()
-        self.drafter.finish(self.text, length, feed)
-        if self.prompt_cache is not None:
-            # Quantization replaced some caches in the lists the models use: hand them back.
-            self.prompt_cache[:] = [c for layers in self.layers for c in layers]
-
-
 def _opaque_warning() -> None:
     warnings.warn(
         "speculative_generate_step: the sampler does not expose its distribution (no `probs`), so "
@@ -314,78 +81,6 @@ def _opaque_warning() -> None:
         "mlx_spec.sampling.make_sampler for rejection sampling.",
         stacklevel=3,
     )
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _check_int(op: str, name: str, value: object, least: int, most: int | None = None) -> int:
-    if not _is_int(value) or value < least or (most is not None and value > most):
-        bound = f">= {least}" if most is None else f"in [{least}, {most}]"
-        raise ValueError(f"{op}: `{name}` must be an int {bound}, got {value!r}")
-    return int(value)
-
-
-def _check_callable(op: str, name: str, value: object) -> None:
-    if value is not None and not callable(value):
-        raise ValueError(f"{op}: `{name}` must be callable or None, got {value!r}")
-
-
-def _check_prompt(op: str, prompt: object, vocab: int | None) -> list[int]:
-    """Checks the ``[L]`` integer prompt and reads its ids (one host read)."""
-    if not isinstance(prompt, mx.array) or prompt.ndim != 1 or prompt.size == 0:
-        shown = describe(prompt) if isinstance(prompt, mx.array) else type(prompt).__name__
-        raise ValueError(f"{op}: `prompt` must be a non-empty [L] array of token ids, got {shown}")
-    if not mx.issubdtype(prompt.dtype, mx.integer):
-        raise ValueError(f"{op}: `prompt` must hold integer token ids, got dtype {prompt.dtype}")
-    ids = prompt.tolist()
-    low, high = min(ids), max(ids)
-    limit = vocab if vocab is not None else 2**32
-    if low < 0 or high >= limit:
-        bad = low if low < 0 else high
-        where = f"the target's vocabulary [0, {vocab})" if vocab is not None else "[0, 2**32)"
-        raise ValueError(f"{op}: `prompt` holds token id {bad}, outside {where}")
-    return ids
-
-
-def _check_eos(op: str, eos_token_ids: object) -> list[int]:
-    if eos_token_ids is None:
-        return []
-    if isinstance(eos_token_ids, (str, bytes)) or not isinstance(eos_token_ids, Iterable):
-        raise ValueError(
-            f"{op}: `eos_token_ids` must be an iterable of int token ids, got {eos_token_ids!r}"
-        )
-    ids = list(eos_token_ids)
-    for i in ids:
-        if not _is_int(i) or not 0 <= i < 2**32:
-            raise ValueError(f"{op}: `eos_token_ids` must hold int ids in [0, 2**32), got {i!r}")
-    return [int(i) for i in ids]
-
-
-def _check_processors(op: str, processors: object) -> list[LogitsProcessor]:
-    if processors is None:
-        return []
-    if callable(processors) or not isinstance(processors, Sequence):
-        raise ValueError(
-            f"{op}: `logits_processors` must be a list of callables, got {processors!r}"
-        )
-    for processor in processors:
-        if not callable(processor):
-            raise ValueError(
-                f"{op}: `logits_processors` must hold callables, got {processor!r} in it"
-            )
-    return list(processors)
-
-
-def _check_kv_bits(op: str, kv_bits: object, kv_group_size: object, start: object) -> None:
-    if kv_bits is not None and (not _is_int(kv_bits) or kv_bits not in (2, 3, 4, 5, 6, 8)):
-        raise ValueError(
-            f"{op}: `kv_bits` must be None or one of 2, 3, 4, 5, 6, 8, got {kv_bits!r}"
-        )
-    if not _is_int(kv_group_size) or kv_group_size not in (32, 64, 128):
-        raise ValueError(f"{op}: `kv_group_size` must be 32, 64 or 128, got {kv_group_size!r}")
-    _check_int(op, "quantized_kv_start", start, 0)
 
 
 def _drafter(
@@ -425,12 +120,6 @@ def _drafter(
     raise ValueError(
         f"{op}: `drafter` must be 'prompt-lookup' or an mlx_spec.drafters.Drafter, got {drafter!r}"
     )
-
-
-def _check_prompt_cache(op: str, prompt_cache: object) -> list[Any] | None:
-    if prompt_cache is not None and not isinstance(prompt_cache, list):
-        raise ValueError(f"{op}: `prompt_cache` must be a list of caches, got {prompt_cache!r}")
-    return prompt_cache
 
 
 def speculative_generate_step(
@@ -536,21 +225,21 @@ def speculative_generate_step(
         generation_stream
     ):
         raise ValueError(f"{op}: `stream` must be an mx.Stream or mx.Device, got {stream!r}")
-    _check_int(op, "num_draft_tokens", num_draft_tokens, 0, MAX_DRAFT_TOKENS)
-    _check_int(op, "max_tokens", max_tokens, -1)
-    _check_callable(op, "sampler", sampler)
-    processors = _check_processors(op, logits_processors)
-    _check_int(op, "prefill_step_size", prefill_step_size, 1)
-    _check_kv_bits(op, kv_bits, kv_group_size, quantized_kv_start)
-    _check_callable(op, "prompt_progress_callback", prompt_progress_callback)
-    eos = _check_eos(op, eos_token_ids)
+    check_int(op, "num_draft_tokens", num_draft_tokens, 0, MAX_DRAFT_TOKENS)
+    check_int(op, "max_tokens", max_tokens, -1)
+    check_callable(op, "sampler", sampler)
+    processors = check_processors(op, logits_processors)
+    check_int(op, "prefill_step_size", prefill_step_size, 1)
+    check_kv_bits(op, kv_bits, kv_group_size, quantized_kv_start)
+    check_callable(op, "prompt_progress_callback", prompt_progress_callback)
+    eos = check_eos_ids(op, eos_token_ids)
     if stats is not None and not isinstance(stats, SpeculativeStats):
         raise ValueError(f"{op}: `stats` must be a SpeculativeStats or None, got {stats!r}")
     if not isinstance(adaptive, bool):
         raise ValueError(f"{op}: `adaptive` must be a bool, got {adaptive!r}")
     if key is not None:
         key = check_key(op, key)
-    prompt_cache = _check_prompt_cache(op, prompt_cache)
+    prompt_cache = check_prompt_cache(op, prompt_cache)
     targets = len(make_prompt_cache(model))
     chosen = _drafter(op, draft_model, drafter, prompt_cache, targets)
     target_cache = make_prompt_cache(model) if prompt_cache is None else prompt_cache[:targets]
@@ -565,8 +254,8 @@ def speculative_generate_step(
             f"{op}: `kv_bits` cannot quantize a RotatingKVCache (mlx-lm has no quantized "
             "rotating cache); use kv_bits=None with sliding-window models or max_kv_size"
         )
-    vocab = _vocab_size(model)
-    ids = _check_prompt(op, prompt, vocab)
+    vocab = vocab_size(model)
+    ids = check_prompt(op, prompt, vocab)
 
     rule = make_rule(sampler)
     if rule.kind == "match":
@@ -587,7 +276,7 @@ def speculative_generate_step(
         kv_bits=kv_bits,
     )
     text = Text(prompt.astype(mx.uint32), ids)
-    target = _Target(
+    target = Target(
         model,
         ModelCache(target_cache),
         processors,
@@ -596,7 +285,7 @@ def speculative_generate_step(
         vocab,
     )
     setup = DraftSetup(rule, processors, quantize, prefill_step_size, seed)
-    generation = _Generation(
+    generation = Generation(
         text,
         target,
         chosen,
@@ -609,44 +298,7 @@ def speculative_generate_step(
         group,
     )
     progress = prompt_progress_callback or (lambda *_: None)
-    return _run(generation, setup, stream, max_tokens, prefill_step_size, progress)
-
-
-def _run(
-    generation: _Generation,
-    setup: DraftSetup,
-    stream: StreamLike,
-    max_tokens: int,
-    prefill_step_size: int,
-    progress: Callable[[int, int], None],
-) -> Generator[tuple[int, mx.array, bool], None, None]:
-    if max_tokens == 0:
-        return
-    consumed = 0
-    total = generation.text.prompt.size
-    try:
-        with mx.stream(stream):
-            progress(0, total)
-            generation.drafter.start(generation.text, setup)
-            generation.target.prefill(generation.text, prefill_step_size)
-            progress(total, total)
-        limit = max_tokens if max_tokens >= 0 else math.inf
-        while True:
-            with mx.stream(stream):
-                tokens, from_draft, logprobs = generation.round(min(limit - consumed, 2**31))
-            for i, token in enumerate(tokens):
-                consumed += 1
-                generation.stats.generated += 1
-                yield token, logprobs[i], i < from_draft
-            if consumed == max_tokens or (tokens and tokens[-1] in generation.eos_set):
-                return
-    finally:
-        # Also after an error or a close: the caches then hold the prompt and what was yielded.
-        with mx.stream(stream):
-            try:
-                generation.finish(consumed, feed=True)
-            except Exception:
-                generation.finish(consumed, feed=False)
+    return run(generation, setup, stream, max_tokens, prefill_step_size, progress)
 
 
 def stream_generate(
@@ -702,7 +354,7 @@ def stream_generate(
         raise ValueError("stream_generate: speculative decoding does not take `input_embeddings`")
     max_kv_size = kwargs.pop("max_kv_size", None)
     if max_kv_size is not None and kwargs.get("prompt_cache") is None:
-        _check_int("stream_generate", "max_kv_size", max_kv_size, 1)
+        check_int("stream_generate", "max_kv_size", max_kv_size, 1)
         models = [model] if draft_model is None else [model, draft_model]
         kwargs["prompt_cache"] = [c for m in models for c in make_prompt_cache(m, max_kv_size)]
     if not isinstance(tokenizer, TokenizerWrapper):

@@ -16,8 +16,7 @@ from mlx_lm.generate import generate_step
 from tiny_models import tiny_llama
 
 import mlx_spec
-import mlx_spec.generation as spec_generation
-from mlx_spec import drafters, rules
+from mlx_spec import drafters, loop, rules
 from mlx_spec.acceptance import accept_sampled
 from mlx_spec.draft_length import DraftLength
 from mlx_spec.drafters import Draft, Drafter, DraftSetup, PromptLookupDrafter, Text
@@ -362,13 +361,13 @@ def test_patch_with_prompt_lookup_speculates_without_a_draft_model(target, monke
 
     plain = lm_generate.generate(target, ByteTokenizer(), PROMPT, max_tokens=60)
     seen = []
-    original = spec_generation._Generation.round
+    original = loop.Generation.round
 
     def counted(self, remaining):
         seen.append(type(self.drafter).__name__)
         return original(self, remaining)
 
-    monkeypatch.setattr(spec_generation._Generation, "round", counted)
+    monkeypatch.setattr(loop.Generation, "round", counted)
     patch_mlx_lm(prompt_lookup=True)
     try:
         import mlx_lm

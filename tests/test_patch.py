@@ -13,6 +13,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_spec.generation as spec_generation
+from mlx_spec import loop
 from mlx_spec.generation import (
     SpeculativeResponse,
     SpeculativeStats,
@@ -188,7 +189,7 @@ def test_patched_mlx_lm_command_accepts_by_rejection_sampling(
         return (target, tokenizer, {}) if kwargs.get("return_config") else (target, tokenizer)
 
     rounds = []
-    original_round = spec_generation._Generation.round
+    original_round = loop.Generation.round
 
     def counted_round(self, remaining):
         out = original_round(self, remaining)
@@ -196,7 +197,7 @@ def test_patched_mlx_lm_command_accepts_by_rejection_sampling(
         return out
 
     monkeypatch.setattr(lm_generate, "load", load)
-    monkeypatch.setattr(spec_generation._Generation, "round", counted_round)
+    monkeypatch.setattr(loop.Generation, "round", counted_round)
     argv = "mlx_lm.generate --model m --draft-model d --num-draft-tokens 4 --temp 1.0"
     argv += " --max-tokens 21 --seed 0 --ignore-chat-template --prompt hello"
     monkeypatch.setattr(sys, "argv", argv.split())

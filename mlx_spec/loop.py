@@ -1,0 +1,305 @@
+"""The speculative loop: rounds of drafter -> target -> rule -> caches, one host read each.
+
+:func:`run` drives a :class:`Generation` (its text, :class:`Target`, drafter, rule and draft
+lengths) round by round and yields each token as soon as its round is read. A round:
+
+1. the drafter (:mod:`mlx_spec.drafters`) proposes up to ``N`` tokens, with the distributions
+   they were drawn from when the generation samples;
+2. the target scores the tokens it still lacks and the ``N`` drafts in one call;
+3. the rule (:mod:`mlx_spec.rules`) decides on the device how many draft tokens to keep and the
+   token after them;
+4. one host read brings back that ``[3]`` result together with the draft tokens;
+5. every cache is taken back to what was kept (:mod:`mlx_spec.caches`): trimmed where that is
+   exact, else restored from a checkpoint, the kept tokens then going into the next round's call.
+
+When the generation ends, is closed or raises, the caches hold the prompt and the tokens yielded.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+from . import kernels
+from .acceptance import check_next
+from .caches import ModelCache, decode_masks
+from .draft_length import MAX_DRAFT_TOKENS, DraftLength
+from .drafters import Drafter, DraftSetup, ModelDrafter, Text
+from .rules import Rule
+
+__all__ = ["Generation", "SpeculativeStats", "Target", "run", "vocab_size"]
+
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+StreamLike = mx.Stream | mx.ThreadLocalStream | mx.Device
+
+
+@dataclass
+class SpeculativeStats:
+    """Counts of one speculative generation, updated as it runs.
+
+    Attributes:
+        rounds (int): verification calls of the target.
+        drafted (int): draft tokens verified, over all rounds.
+        accepted (int): draft tokens the target accepted, over all rounds.
+        generated (int): tokens yielded to the caller.
+        replayed (int): tokens fed to the target again because its caches were restored from a
+            checkpoint (models with recurrent layers), over all rounds.
+    """
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    generated: int = 0
+    replayed: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """float: ``accepted / drafted`` (0 before any draft)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        """float: ``generated / rounds``, the mean tokens a target call yields (0 before any)."""
+        return self.generated / self.rounds if self.rounds else 0.0
+
+
+def vocab_size(model: nn.Module) -> int | None:
+    """The ids ``model`` can embed: its first embedding's rows (``None`` if it has none)."""
+    for _, module in model.named_modules():
+        if isinstance(module, nn.QuantizedEmbedding):
+            return module.num_embeddings
+        if isinstance(module, nn.Embedding):
+            return module.weight.shape[0]
+    return None
+
+
+class Target:
+    """The target model: its caches, its logits processors and the ids it can embed."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cache: ModelCache,
+        processors: Sequence[LogitsProcessor],
+        quantize: Callable[[list[Any]], None],
+        quantized_kv_start: int | None,
+        vocab: int | None,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.processors = list(processors)
+        self.quantize = quantize
+        self.quantized_kv_start = quantized_kv_start
+        self.vocab = vocab
+
+    def feed(self, tokens: mx.array) -> mx.array:
+        """Runs the model on ``[k]`` tokens; returns its ``[k, V]`` logits (lazy)."""
+        logits = self.model(tokens[None], cache=self.cache.layers)
+        self.cache.fed(tokens.size)
+        return logits[0]
+
+    def prefill(self, text: Text, step: int) -> None:
+        """Feeds all prompt tokens but the last, ``step`` at a time, quantizing as mlx-lm does."""
+        while self.cache.length < len(text) - 1:
+            self.feed(text.tokens(self.cache.length, min(self.cache.length + step, len(text) - 1)))
+            self.quantize(self.cache.layers)
+            mx.eval([c.state for c in self.cache.layers])
+
+    def room(self) -> int:
+        """How many tokens a call may feed before a cache still in full precision passes the
+        length from which mlx-lm quantizes it: mlx-lm's one-token steps switch there, so a
+        verification must not straddle it to give the same logits."""
+        if self.quantized_kv_start is None:
+            return MAX_DRAFT_TOKENS + 1
+        offsets = [c.offset for c in self.cache.layers if type(c) is KVCache]
+        if not offsets or max(offsets) >= self.quantized_kv_start:
+            return MAX_DRAFT_TOKENS + 1
+        return self.quantized_kv_start - max(offsets)
+
+    def verify(self, text: Text, draft: mx.array) -> mx.array:
+        """Scores the tokens the caches lack and ``[N]`` draft tokens in one call.
+
+        Returns:
+            array: the ``[N + 1, V]`` logits (after the processors) of the positions that decide
+            the draft, lazy.
+        """
+        n = draft.size
+        self.cache.checkpoint()
+        # A draft id the target cannot embed is never accepted; feed a valid id in its place.
+        fed = draft if self.vocab is None else mx.minimum(draft, self.vocab - 1)
+        with decode_masks(self.cache.layers):
+            logits = self.feed(mx.concatenate([text.tokens(self.cache.length), fed]))[-(n + 1) :]
+        if not self.processors:
+            return logits
+        context = text.array()
+        rows = []
+        for i in range(n + 1):
+            tokens = mx.concatenate([context, draft[:i]]) if i else context
+            row = logits[i : i + 1]
+            for processor in self.processors:
+                row = processor(tokens, row)
+            rows.append(row)
+        return mx.concatenate(rows)
+
+    def keep(self, length: int) -> int:
+        """Keeps ``length`` tokens of the text, or fewer where a checkpoint had to be restored;
+        then quantizes as mlx-lm would. Returns the tokens the caches hold."""
+        held = self.cache.rewind(length)
+        self.cache.forget()
+        self.quantize(self.cache.layers)
+        return held
+
+
+class Generation:
+    """One speculative generation: the text, the target, the drafter and the rule."""
+
+    def __init__(
+        self,
+        text: Text,
+        target: Target,
+        drafter: Drafter,
+        rule: Rule,
+        lengths: DraftLength,
+        eos: list[int],
+        key: mx.array | None,
+        stats: SpeculativeStats,
+        prompt_cache: list[Any] | None = None,
+        group: mx.distributed.Group | None = None,
+    ) -> None:
+        self.text = text
+        self.target = target
+        self.drafter = drafter
+        self.rule = rule
+        self.lengths = lengths
+        self.eos_set = set(eos)
+        self.eos_array = mx.array(eos, dtype=mx.uint32) if eos else None
+        # The fused kernels where MLX runs on CUDA (the loop never vmaps).
+        self.fused = kernels.available()
+        self.key = key
+        self.stats = stats
+        self.prompt_cache = prompt_cache
+        self.layers = [target.cache.layers]
+        if isinstance(drafter, ModelDrafter):
+            self.layers.append(drafter.cache.layers)
+        # On a group, adaptive lengths are chosen from rank 0's times, which every rank reads a
+        # round late: each rank then makes the same target calls.
+        self.group = group if lengths.adaptive else None
+        self._unrecorded: tuple[int, int, int, int] | None = None
+        self._microseconds = 0
+
+    def round(self, remaining: int) -> tuple[list[int], int, mx.array]:
+        """One draft-verify round, with one host read.
+
+        Args:
+            remaining (int): the most tokens this round may emit, ``>= 1``.
+
+        Returns:
+            tuple: the tokens to emit (at most ``remaining``; none after an EOS), how many of
+            them came from the draft, and the ``[N + 1, V]`` log-probabilities (lazy).
+        """
+        start = time.perf_counter()
+        length = len(self.text)
+        pending = length - self.target.cache.length
+        cap = min(remaining - 1, self.target.room() - pending)
+        n = self.lengths.choose(pending, max(cap, 0), self.target.cache.replays)
+        draft_key = verify_key = None
+        if self.rule.random:
+            self.key, draft_key, verify_key = mx.random.split(self.key, 3)
+        draft = self.drafter.propose(self.text, n, draft_key)
+        # Nothing to verify: a free drafter is still asked, to measure its acceptance.
+        shadow = (
+            self.drafter.propose(self.text, 1, None)
+            if draft.size == 0 and self.lengths.adaptive and self.drafter.free
+            else None
+        )
+        logits = self.target.verify(self.text, draft.tokens)
+        result, logprobs = self.rule.decide(
+            logits, draft.tokens, draft.probs, self.eos_array, verify_key, fused=self.fused
+        )
+        parts = [result, draft.tokens] + ([shadow.tokens] if shadow is not None else [])
+        if self.group is not None:
+            mine = self._microseconds if self.group.rank() == 0 else 0
+            parts.append(mx.distributed.all_sum(mx.array([mine], mx.uint32), group=self.group))
+        values = mx.concatenate(parts).tolist()  # the round's one host read
+        accepted, token = values[0], values[1]
+        check_next("speculative_generate_step", token)
+        tokens = values[3 : 3 + accepted]
+        if not (tokens and tokens[-1] in self.eos_set):
+            tokens.append(token)
+        tokens = tokens[:remaining]
+        kept = min(accepted, len(tokens))
+        self.text.extend(tokens)
+        self.target.keep(length + kept)
+        self.drafter.update(self.text, kept)
+        if shadow is not None and shadow.size:
+            self.lengths.shadow(int(values[3 + draft.size] == token), 1)
+        self.stats.rounds += 1
+        self.stats.drafted += draft.size
+        self.stats.accepted += accepted
+        self.stats.replayed += pending - 1
+        counts = (draft.size, accepted, pending + draft.size, draft.steps)
+        seconds = time.perf_counter() - start
+        if self.group is None:
+            self.lengths.record(*counts, seconds)
+        else:
+            if self._unrecorded is not None:
+                self.lengths.record(*self._unrecorded, values[-1] / 1e6)
+            self._unrecorded, self._microseconds = counts, min(int(seconds * 1e6), 2**32 - 1)
+        return tokens, kept, logprobs
+
+    def finish(self, consumed: int, feed: bool) -> None:
+        """Leaves every cache holding the prompt and the ``consumed`` tokens; feeding what a
+        cache lacks only when ``feed``."""
+        length = self.text.prompt.size + consumed
+        held = self.target.cache.rewind(length)
+        if feed and held < length:
+            self.target.feed(self.text.tokens(held, length))
+        self.target.cache.forget()
+        self.drafter.finish(self.text, length, feed)
+        if self.prompt_cache is not None:
+            # Quantization replaced some caches in the lists the models use: hand them back.
+            self.prompt_cache[:] = [c for layers in self.layers for c in layers]
+
+
+def run(
+    generation: Generation,
+    setup: DraftSetup,
+    stream: StreamLike,
+    max_tokens: int,
+    prefill_step_size: int,
+    progress: Callable[[int, int], None],
+) -> Generator[tuple[int, mx.array, bool], None, None]:
+    if max_tokens == 0:
+        return
+    consumed = 0
+    total = generation.text.prompt.size
+    try:
+        with mx.stream(stream):
+            progress(0, total)
+            generation.drafter.start(generation.text, setup)
+            generation.target.prefill(generation.text, prefill_step_size)
+            progress(total, total)
+        limit = max_tokens if max_tokens >= 0 else math.inf
+        while True:
+            with mx.stream(stream):
+                tokens, from_draft, logprobs = generation.round(min(limit - consumed, 2**31))
+            for i, token in enumerate(tokens):
+                consumed += 1
+                generation.stats.generated += 1
+                yield token, logprobs[i], i < from_draft
+            if consumed == max_tokens or (tokens and tokens[-1] in generation.eos_set):
+                return
+    finally:
+        # Also after an error or a close: the caches then hold the prompt and what was yielded.
+        with mx.stream(stream):
+            try:
+                generation.finish(consumed, feed=True)
+            except Exception:
+                generation.finish(consumed, feed=False)
