@@ -2,21 +2,30 @@
 
 A round that drafts ``N`` tokens, each kept with probability ``a`` once the ones before it were,
 yields ``E(N) = 1 + a + ... + a^N`` tokens on average. It costs one target call over the ``k``
-tokens the target still lacks plus the ``N`` drafts, and the drafter's own calls. The adaptive
+tokens the target still lacks and the ``N`` drafts, plus the drafter's own work. The adaptive
 choice keeps estimates of both and takes the ``N`` that maximises ``E(N) / cost(N)``:
 
 - ``a`` from the recent rounds: every draft token tested counts (a kept token is a success, the
-  first rejected one a failure), with older rounds weighing less;
-- the cost of a round as ``c0 + c1 * (k + N) + c2 * steps`` seconds (``steps``: the drafter's
-  model calls), fitted by least squares with forgetting to the measured time of each round. On a
-  GPU or Apple silicon ``c1`` is small, so long drafts pay; on a CPU that computes every scored
-  position, ``c1`` is about the cost of a one-token step, so only well-kept drafts pay.
+  first rejected one a failure), older rounds weighing less;
+- the cost of a round as ``base + slope * (k + N)`` seconds for prompt lookup, whose proposals
+  cost nothing, and ``base + slope * N`` for a draft model, whose ``slope`` also holds a draft
+  step (and whose ``base`` holds the waiting tokens). ``slope`` is the median, over recent pairs
+  of consecutive rounds that drafted different numbers, of their difference in time over their
+  difference in ``N``, each pair weighing the square of that difference: pairs close in time
+  cancel the drift of a machine whose load changes, and the median ignores the outliers (a
+  compilation, a first use). ``base`` is then the median of
+  what each round's time leaves. On a GPU or Apple silicon the slope is small, so long drafts pay;
+  on a CPU that computes every scored position it is about the cost of a one-token step, so only
+  well-kept drafts pay.
 
 Exploration keeps both estimates alive: every few rounds the choice drafts one token more or fewer
-than its best, so the fit sees rounds of different lengths; and when drafting does not pay, the
-loop still asks a free drafter (prompt lookup) for a proposal and checks it against the token the
-target emits, which measures its acceptance without verifying it. A time far above the prediction
-(a compilation, a first use) counts as three times the prediction, not more.
+than its best, so consecutive rounds differ; and when drafting does not pay, the loop still asks a
+free drafter (prompt lookup) for a proposal and checks it against the token the target emits,
+which measures its acceptance without verifying it.
+
+A target whose caches are restored after a rejection (recurrent layers) feeds again, in the next
+call, everything since its last fully kept round; the choice counts that future cost too, and a
+fixed length drafts nothing in a round where more than ``N + 1`` tokens wait, so they are fed once.
 """
 
 from __future__ import annotations
@@ -32,21 +41,15 @@ __all__ = ["MAX_DRAFT_TOKENS", "DraftLength"]
 #: verification and, for a draft model, a draft step.
 MAX_DRAFT_TOKENS = 64
 
-# Forgetting per round: the acceptance is a mean over about the last 30 rounds, the costs a fit
-# to the last 48 rounds with weights falling by this factor per round of age.
+# The acceptance is a mean over about the last 30 rounds (weights falling by this factor a round).
 _ACCEPT_DECAY = 0.97
-_COST_DECAY = 0.97
-_COST_WINDOW = 48
 # The acceptance before any round, as pseudo-counts: a mean of 2/3 worth 3 tested tokens.
 _PRIOR_KEPT, _PRIOR_TESTED = 2.0, 3.0
+# The costs come from the last this many rounds.
+_COST_WINDOW = 48
 # Every this many rounds the choice tries one token more or fewer than its best (alternately),
-# so the fit always sees rounds of different lengths.
+# so consecutive rounds with different lengths keep measuring the slope.
 _EXPLORE_EVERY = 6
-# A measured round counts as at most this many times its predicted time.
-_OUTLIER = 3.0
-# Ridge on the per-token costs, relative to the fit's weight: without rounds of different lengths
-# they stay near 0 (long drafts look free) until exploration measures them.
-_RIDGE = 1e-3
 
 
 class DraftLength:
@@ -56,9 +59,9 @@ class DraftLength:
         most (int): the most draft tokens in a round, ``>= 0``.
         adaptive (bool): choose each round's number (see the module's description) instead of
             always ``most``.
-        free (bool): whether a proposal costs no model call (prompt lookup): then the drafter's
-            steps cost nothing, and when drafting does not pay the loop checks proposals against
-            the emitted text instead of verifying them.
+        free (bool): whether a proposal costs no model call (prompt lookup): then a draft token
+            costs what a scored position costs, and when drafting does not pay the loop checks
+            proposals against the emitted text instead of verifying them.
     """
 
     def __init__(self, most: int, adaptive: bool, free: bool = False) -> None:
@@ -67,8 +70,9 @@ class DraftLength:
         self.free = free
         self._kept = _PRIOR_KEPT
         self._tested = _PRIOR_TESTED
-        self._rounds: deque[tuple[float, float, float]] = deque(maxlen=_COST_WINDOW)
-        self._theta: np.ndarray | None = None
+        # (pending, drafted, seconds) of the recent rounds, oldest first.
+        self._rounds: deque[tuple[int, int, float]] = deque(maxlen=_COST_WINDOW)
+        self._base = self._slope = None
         self._count = 0
 
     @property
@@ -76,9 +80,14 @@ class DraftLength:
         """float: the estimated chance that a draft token is kept, once the ones before it are."""
         return self._kept / self._tested
 
-    def _cost(self, fed: int, steps: int) -> float:
-        c0, c1, c2 = self._theta
-        return c0 + c1 * fed + c2 * steps
+    def cost(self, pending: int, n: int) -> float:
+        """The predicted seconds of a round over ``pending`` waiting tokens and ``n`` drafts
+        (``nan`` before two rounds of different lengths were measured)."""
+        if self._slope is None:
+            return float("nan")
+        # A waiting token is a scored position; for prompt lookup so is a draft token, for a draft
+        # model the slope also holds its step.
+        return self._base + self._slope * (pending + n if self.free else n)
 
     def choose(self, pending: int, cap: int, replays: bool = False) -> int:
         """The number of draft tokens of the next round.
@@ -98,24 +107,28 @@ class DraftLength:
         top = min(self.most, cap)
         if not self.adaptive:
             return 0 if replays and pending > self.most + 1 else top
-        if top == 0 or self._theta is None:
-            return top
+        self._count += 1
+        if top == 0:
+            return 0
+        if self._slope is None:
+            # Until a pair of rounds of different lengths is measured: the most, one fewer, ...
+            return top - len(self._rounds) % 2
         a = min(self.acceptance, 0.999)
         best, best_rate = 0, 0.0
         for n in range(top + 1):
             tokens = (1 - a ** (n + 1)) / (1 - a)
-            cost = self._cost(pending + n, 0 if self.free else n)
+            cost = self.cost(pending, n)
             if replays and n:
                 # A rejection (chance 1 - a^n) makes the next call feed again what waits now and
                 # the tokens kept before the rejection.
                 kept = sum(i * a**i * (1 - a) for i in range(n)) / max(1 - a**n, 1e-12)
-                cost += (1 - a**n) * self._theta[1] * (pending + kept)
+                cost += (1 - a**n) * self._slope * (pending + kept)
             rate = tokens / max(cost, 1e-9)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = n, rate
-        if self._count % _EXPLORE_EVERY == _EXPLORE_EVERY - 1:
+        if self._count % _EXPLORE_EVERY == 0:
             step = 1 if (self._count // _EXPLORE_EVERY) % 2 else -1
-            if best == 0 or best == top:
+            if best in (0, top):
                 step = 1 if best == 0 else -1
             best = min(max(best + step, 0), top)
         return best
@@ -126,26 +139,29 @@ class DraftLength:
         Args:
             drafted (int): draft tokens verified.
             accepted (int): how many of them were kept.
-            fed (int): tokens the target scored (the pending ones and the drafts).
-            steps (int): the drafter's model calls.
+            fed (int): tokens the target scored (the waiting ones and the drafts).
+            steps (int): the drafter's model calls (folded into the slope of a draft token).
             seconds (float): the round's time, from proposing to reading the result.
         """
         if drafted:
             self.shadow(accepted, drafted)
-        self._count += 1
-        if self._theta is not None:
-            seconds = min(seconds, _OUTLIER * max(self._cost(fed, steps), 0.0))
-        self._rounds.append((float(fed), float(steps), seconds))
-        self._theta = self._fit()
+        self._rounds.append((fed - drafted, drafted, seconds))
+        self._fit()
 
-    def _fit(self) -> np.ndarray:
-        """Weighted least squares of the round times on ``[1, fed, steps]``, newest heaviest."""
-        data = np.array(self._rounds)
-        weights = _COST_DECAY ** np.arange(len(data) - 1, -1, -1)
-        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
-        gram = (x * weights[:, None]).T @ x
-        gram += np.diag([0.0, 1.0, 1.0]) * _RIDGE * weights.sum() * (1 + data[:, 0].var())
-        return np.linalg.solve(gram, (x * weights[:, None]).T @ data[:, 2])
+    def _fit(self) -> None:
+        rounds = np.array(self._rounds, dtype=np.float64)
+        pending, drafted, seconds = rounds.T
+        # Per draft token for a draft model; per scored position for prompt lookup.
+        x = pending + drafted if self.free else drafted
+        dx, dt = np.diff(x), np.diff(seconds)
+        paired = dx != 0
+        if not self.free:
+            # Waiting tokens are in a draft model's base: compare rounds with as many.
+            paired &= np.diff(pending) == 0
+        if not paired.any():
+            return
+        self._slope = max(_weighted_median(dt[paired] / dx[paired], dx[paired] ** 2), 0.0)
+        self._base = float(np.median(seconds - self._slope * x))
 
     def shadow(self, accepted: int, tested: int) -> None:
         """Counts ``tested`` draft tokens of which the first ``accepted`` were kept, the rest not
@@ -153,3 +169,11 @@ class DraftLength:
         failures = 1 if accepted < tested else 0
         self._kept = self._kept * _ACCEPT_DECAY + accepted
         self._tested = self._tested * _ACCEPT_DECAY + accepted + failures
+
+
+def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:
+    """The value below which half the weight lies: a pair of rounds that differ by more tokens
+    measures the slope with less noise, so it weighs more."""
+    order = np.argsort(values)
+    cumulative = np.cumsum(weights[order])
+    return float(values[order][np.searchsorted(cumulative, cumulative[-1] / 2)])
