@@ -145,8 +145,9 @@ class DraftLength:
         """
         if drafted:
             self.shadow(accepted, drafted)
-        self._rounds.append((fed - drafted, drafted, seconds))
-        self._fit()
+        if self.adaptive:
+            self._rounds.append((fed - drafted, drafted, seconds))
+            self._fit()
 
     def _fit(self) -> None:
         rounds = np.array(self._rounds, dtype=np.float64)
