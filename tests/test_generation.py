@@ -156,6 +156,37 @@ def test_caches_hold_prompt_and_emitted_tokens(target, drafts, greedy_reference,
     assert cont == greedy_reference[len(tokens) + 1 : len(tokens) + 6]
 
 
+@pytest.mark.parametrize("fail_at", [1, 3])
+def test_an_error_in_a_round_leaves_the_prompt_and_yielded_tokens(
+    target, drafts, greedy_reference, fail_at
+) -> None:
+    # A logits processor that fails at its fail_at-th call: in the first round (the draft's
+    # first step, or the target's rows), the caches must hold exactly the prompt; a reused
+    # cache then continues plain decoding's text.
+    calls = []
+
+    def failing(tokens: mx.array, logits: mx.array) -> mx.array:
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise RuntimeError("processor failed")
+        return logits
+
+    cache = make_prompt_cache(target) + make_prompt_cache(drafts["truncated"])
+    steps = speculative_generate_step(
+        mx.array(PROMPT),
+        target,
+        drafts["truncated"],
+        num_draft_tokens=2,
+        prompt_cache=cache,
+        logits_processors=[failing],
+    )
+    with pytest.raises(RuntimeError, match="processor failed"):
+        next(steps)
+    assert offsets(cache) == {len(PROMPT)}
+    more, _, _ = run([greedy_reference[0]], target, drafts["truncated"], prompt_cache=cache)
+    assert more == greedy_reference[1:257]
+
+
 class HostReads:
     """Counts every way Python can make MLX wait for a value: eval, item, tolist, conversions."""
 

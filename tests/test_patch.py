@@ -206,3 +206,52 @@ def test_patched_mlx_lm_command_accepts_by_rejection_sampling(
     assert rounds and {mode for mode, _, _ in rounds} == {"sampled"}
     # Every draft token kept, and no round drafts more than the tokens left after its own.
     assert all(from_draft == min(n, 20 - 5 * i) for i, (_, n, from_draft) in enumerate(rounds))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--max-kv-size", "12"],
+        ["--kv-bits", "4", "--kv-group-size", "32", "--quantized-kv-start", "8"],
+    ],
+)
+def test_patched_command_with_cache_options_prints_plain_decodings_text(
+    monkeypatch, capsys, options
+) -> None:
+    # mlx-lm's own speculative path drops --max-kv-size; patched, the loop gets it (rotating
+    # caches that keep 4 tokens, wrapped several times here) and --kv-bits, and the text is the
+    # one plain decoding prints with the same options.
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tiny_models import cut, tiny_qwen2
+
+    model = tiny_qwen2(0)
+    models = {"m": model, "d": cut(model, 1)}
+
+    class Tok(ByteTokenizer):
+        vocab_size = 256
+
+    tokenizer = TokenizerWrapper(Tok())
+
+    def load(path, **kwargs):
+        pair = (models[path], tokenizer)
+        return (*pair, {}) if kwargs.get("return_config") else pair
+
+    def printed(argv: str) -> str:
+        monkeypatch.setattr(sys, "argv", [*argv.split(), *options])
+        lm_generate.main()
+        return capsys.readouterr().out.split("==========")[1]
+
+    monkeypatch.setattr(lm_generate, "load", load)
+    command = "mlx_lm.generate --model m --temp 0 --max-tokens 60 --ignore-chat-template"
+    command += " --prompt hello"
+    plain = printed(command)
+    unpatched = printed(command + " --draft-model d --num-draft-tokens 3")
+    patch_mlx_lm()
+    try:
+        speculative = printed(command + " --draft-model d --num-draft-tokens 3")
+    finally:
+        unpatch_mlx_lm()
+    assert len(plain) > 15 and speculative == plain
+    if "--max-kv-size" in options:
+        # The option matters: mlx-lm's own speculative loop drops it and prints another text.
+        assert unpatched != plain

@@ -6,6 +6,7 @@ first two weigh ``late`` times as much as those, so :func:`cut` to two layers ma
 agrees with the model on most tokens.
 
 - :func:`tiny_llama`: attention only (``KVCache``).
+- :func:`tiny_qwen2`: attention only, without a ``make_cache`` of its own.
 - :func:`tiny_qwen3_next`: a hybrid of gated delta-net layers (``ArraysCache``) and attention.
 - :func:`tiny_lfm2`: a hybrid of short convolutions (``ArraysCache``) and attention.
 - :func:`tiny_gemma3`: sliding-window attention (``RotatingKVCache``) and global attention.
@@ -21,7 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
-from mlx_lm.models import gemma3_text, lfm2, llama, qwen3_next
+from mlx_lm.models import gemma3_text, lfm2, llama, qwen2, qwen3_next
 
 
 def _scaled(model: nn.Module, layer_scale: Callable[[int], float], head: float) -> nn.Module:
@@ -62,6 +63,24 @@ def tiny_llama(
     )
     mx.random.seed(seed)
     return _scaled(llama.Model(args), lambda i: scales[i], head)
+
+
+def tiny_qwen2(seed: int, *, vocab: int = 256, layers: int = 2, head: float = 8.0) -> qwen2.Model:
+    """A qwen2, whose class has no ``make_cache``: mlx-lm's ``max_kv_size`` gives it rotating
+    caches that keep the first 4 tokens. Two heads of 32: cache quantization groups 32 values."""
+    args = qwen2.ModelArgs(
+        model_type="qwen2",
+        hidden_size=64,
+        num_hidden_layers=layers,
+        intermediate_size=128,
+        num_attention_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    mx.random.seed(seed)
+    return _scaled(qwen2.Model(args), lambda i: 3.0 if i == 0 else 1.0, head)
 
 
 def tiny_qwen3_next(
