@@ -124,15 +124,18 @@ def unpatched_server(logs: Path) -> Server:
     return Server(command, logs)
 
 
-def assert_clean_exit(code: int, stderr: str, hang_ups: int = 0) -> None:
+def assert_clean_exit(code: int, stderr: str, hang_ups: int = 0, refused: int = 0) -> None:
     """Exit status 0 and no abort; the only tracebacks are mlx-lm's for clients that hung up
-    (it logs each broken connection), at most one per ``hang_ups``."""
+    (it logs each broken connection), at most one per ``hang_ups``, and for requests that
+    mlx-spec refused with a ValueError, exactly ``refused``."""
     assert code == 0, stderr
     assert ABORT not in stderr, stderr
     # Counted, not parsed: the request threads' log lines interleave with the tracebacks.
     tracebacks = stderr.count("Traceback (most recent call last):")
     broken = len(re.findall(r"^(?:BrokenPipeError|ConnectionResetError)\b", stderr, re.M))
-    assert tracebacks == broken <= hang_ups, stderr
+    errors = len(re.findall(r"^ValueError: speculative_generate_step: ", stderr, re.M))
+    assert errors == refused and tracebacks == broken + errors, stderr
+    assert broken <= hang_ups, stderr
 
 
 # -- the client --------------------------------------------------------------------------------
@@ -256,9 +259,20 @@ def test_patched_server_answers_both_endpoints_and_exits_cleanly(tmp_path):
         # the warning on the server's stderr shows that the request went through mlx-spec.
         xtc = Request(chat=False, prompt=1, temperature=0.8, seed=3, xtc_probability=0.5)
         assert_answered(xtc, send(server.port, xtc))
+        # An absurd draft length is refused at once (issue 15), with mlx-spec's message on the
+        # server's stderr; mlx-lm's handler then drops that connection (or answers an error), and
+        # the server serves the next request.
+        absurd = Request(chat=False, prompt=0, num_draft_tokens=10**6, max_tokens=4)
+        try:
+            assert send(server.port, absurd).status >= 400
+        except http.client.RemoteDisconnected:
+            pass
+        again = Request(chat=False, prompt=0, num_draft_tokens=3, max_tokens=4)
+        assert_answered(again, send(server.port, again))
         code, stderr = server.interrupt()
-    assert_clean_exit(code, stderr)
+    assert_clean_exit(code, stderr, refused=1)
     assert "speculative_generate_step: the sampler does not expose its distribution" in stderr
+    assert "speculative_generate_step: `num_draft_tokens` must be an int in [0, 64]" in stderr
     for chat in (False, True):
         # One greedy generation, streamed or not.
         assert replies[chat, True].text == replies[chat, False].text
