@@ -25,7 +25,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -38,22 +37,13 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from demo_corpus import build_corpus
 
 MAX_TOTAL_BYTES = 24_000_000
 MIN_COST_RATIO = 5.0
 MIN_AGREEMENT = 0.5
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 COST_LENGTHS = (1, 2, 3, 4, 5, 9)
-
-
-def load_train_module() -> Any:
-    """Import ``scripts/train_demo_models.py`` for its corpus functions (it needs no torch)."""
-    path = Path(__file__).with_name("train_demo_models.py")
-    spec = importlib.util.spec_from_file_location("train_demo_models", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def stage_hf_folders(src: Path, staging: Path) -> dict[str, Path]:
@@ -264,8 +254,7 @@ def heldout_prompts(tokenizer_file: Path, count: int, length: int) -> list[list[
     """
     from tokenizers import Tokenizer
 
-    train = load_train_module()
-    _, heldout = train.build_corpus()
+    _, heldout = build_corpus()
     encodings = Tokenizer.from_file(str(tokenizer_file)).encode_batch(
         heldout, add_special_tokens=False
     )

@@ -21,6 +21,9 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
 def load_script(name: str) -> ModuleType:
+    # The scripts import their shared corpus module from their own folder, as when run.
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -29,24 +32,23 @@ def load_script(name: str) -> ModuleType:
 
 
 def test_heldout_split_is_a_small_fixed_fraction_by_name():
-    train = load_script("train_demo_models")
+    corpus = load_script("demo_corpus")
     names = [f"stdlib/pkg{i}/mod{i}.py" for i in range(4000)]
-    held = [n for n in names if train.is_heldout(n)]
+    held = [n for n in names if corpus.is_heldout(n)]
     # 4000 names at 1/20: mean 200, sd ~14.
     assert 140 < len(held) < 260
-    assert held == [n for n in reversed(names) if train.is_heldout(n)][::-1]
+    assert held == [n for n in reversed(names) if corpus.is_heldout(n)][::-1]
 
 
 def test_corpus_splits_share_no_text_and_hold_out_a_few_percent():
-    train = load_script("train_demo_models")
-    tr, held = train.build_corpus()
+    tr, held = load_script("demo_corpus").build_corpus()
     assert not set(tr) & set(held)
     assert 0.02 < len(held) / (len(tr) + len(held)) < 0.1
 
 
 def test_corpus_caps_stop_adding_documents():
-    train = load_script("train_demo_models")
-    tr, held = train.build_corpus(max_train_bytes=200_000, max_heldout_bytes=50_000)
+    corpus = load_script("demo_corpus")
+    tr, held = corpus.build_corpus(max_train_bytes=200_000, max_heldout_bytes=50_000)
     sizes = [len(t.encode()) for t in tr]
     assert held
     assert sum(sizes[:-1]) < 200_000 <= sum(sizes)
