@@ -20,14 +20,14 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.generate import GenerationResponse, generation_stream
+from mlx_lm.generate import GenerationResponse
 
 from . import generation
 from .sampling import make_sampler
@@ -43,6 +43,8 @@ Sampler = generation.Sampler
 _LM_SPECULATIVE_STEP = _lm_generate.speculative_generate_step
 _LM_STREAM_GENERATE = generation._LM_STREAM_GENERATE
 _LM_MAKE_SAMPLER = _lm_sample_utils.make_sampler
+_LM_SAMPLER_SIGNATURE = inspect.signature(_LM_MAKE_SAMPLER)
+_LM_STREAM_SIGNATURE = inspect.signature(_LM_STREAM_GENERATE)
 
 _SAMPLER_MODULES = ("mlx_lm.sample_utils", "mlx_lm.generate", "mlx_lm.server")
 _STREAM_MODULES = ("mlx_lm.generate", "mlx_lm")
@@ -72,55 +74,36 @@ class _MlxLmSampler:
         return self.distribution.probs(logprobs)
 
 
-def _make_mlx_lm_sampler(
-    temp: float = 0.0,
-    top_p: float = 0.0,
-    min_p: float = 0.0,
-    min_tokens_to_keep: int = 1,
-    top_k: int = 0,
-    xtc_probability: float = 0.0,
-    xtc_threshold: float = 0.1,
-    xtc_special_tokens: list[int] | None = None,
-) -> Sampler:
+def _make_mlx_lm_sampler(*args: Any, **kwargs: Any) -> Sampler:
     """``mlx_lm.sample_utils.make_sampler`` while patched: its sampler, plus ``probs``."""
-    sample = _LM_MAKE_SAMPLER(
-        temp,
-        top_p,
-        min_p,
-        min_tokens_to_keep,
-        top_k,
-        xtc_probability,
-        xtc_threshold,
-        xtc_special_tokens,
-    )
-    if temp == 0 or xtc_probability > 0.0:
+    sample = _LM_MAKE_SAMPLER(*args, **kwargs)
+    bound = _LM_SAMPLER_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    options = bound.arguments
+    if options["temp"] == 0 or options["xtc_probability"] > 0.0:
         # Greedy is recognised as such; XTC has no distribution here (mlx-lm's rule applies).
         return sample
     try:
-        distribution = make_sampler(temp, top_p, min_p, min_tokens_to_keep, top_k)
+        distribution = make_sampler(
+            **{
+                name: options[name]
+                for name in ("temp", "top_p", "min_p", "min_tokens_to_keep", "top_k")
+            }
+        )
     except ValueError:
         return sample
     return _MlxLmSampler(sample, distribution)
 
 
-def _stream_generate(
-    model: nn.Module,
-    tokenizer: Any,
-    prompt: str | mx.array | list[int],
-    max_tokens: int = 256,
-    draft_model: nn.Module | None = None,
-    stream: Any = generation_stream,
-    **kwargs: Any,
-) -> Generator[GenerationResponse, None, None]:
+def _stream_generate(*args: Any, **kwargs: Any) -> Generator[GenerationResponse, None, None]:
     """mlx-lm's ``stream_generate`` while patched (see the module's description)."""
-    if draft_model is None and _options["prompt_lookup"] and "drafter" not in kwargs:
-        kwargs["drafter"] = "prompt-lookup"
-    if draft_model is None and kwargs.get("drafter") is None:
-        kwargs.pop("drafter", None)
-        return _LM_STREAM_GENERATE(model, tokenizer, prompt, max_tokens, None, stream, **kwargs)
-    return generation.stream_generate(
-        model, tokenizer, prompt, max_tokens, draft_model, stream, **kwargs
-    )
+    if _LM_STREAM_SIGNATURE.bind(*args, **kwargs).arguments.get("draft_model") is None:
+        if _options["prompt_lookup"]:
+            kwargs.setdefault("drafter", "prompt-lookup")
+        if kwargs.get("drafter") is None:
+            kwargs.pop("drafter", None)
+            return _LM_STREAM_GENERATE(*args, **kwargs)
+    return generation.stream_generate(*args, **kwargs)
 
 
 def patch_mlx_lm(*, prompt_lookup: bool = False) -> None:
