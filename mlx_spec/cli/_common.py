@@ -72,6 +72,23 @@ def run(
         return CLOSED_PIPE
 
 
+#: MLX's switch for cuDNN's attention on its CUDA backend.
+CUDNN_ATTENTION = "MLX_CUDA_USE_CUDNN_SDPA"
+
+
+def prefer_mlx_attention() -> None:
+    """Makes MLX's CUDA backend use its own attention kernel, unless the user chose already.
+
+    For a call with several queries, MLX's CUDA backend builds a cuDNN graph for each new (query
+    length, key length); a speculative round scores several positions against a cache one round
+    longer than the last, so nearly every round of a first generation pays for a new graph
+    (docs/performance.md measures both kernels). MLX reads the variable at its first attention
+    call, so setting it before the models run is enough; elsewhere than on CUDA it changes
+    nothing.
+    """
+    os.environ.setdefault(CUDNN_ATTENTION, "0")
+
+
 def _error(prog: str, message: str) -> None:
     """Prints ``prog: error: message`` on stderr as one line, however many ``message`` has."""
     print(f"{prog}: error: {' '.join(message.splitlines())}", file=sys.stderr)

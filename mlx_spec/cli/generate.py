@@ -24,6 +24,7 @@ from ._common import (
     integer,
     max_tokens,
     num_draft_tokens,
+    prefer_mlx_attention,
     run,
     seed,
     shown,
@@ -223,6 +224,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from ..distributed import fresh_seed, load_sharded
 
+    prefer_mlx_attention()
     group = mx.distributed.init()
     # Under mlx.launch every rank runs this; the others print nothing.
     speak = group.rank() == 0
