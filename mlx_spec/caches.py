@@ -81,20 +81,23 @@ def _replays(layers: list[Any]) -> bool:
     )
 
 
-def check_caches(op: str, name: str, layers: Any) -> None:
+def check_caches(op: str, name: str, layers: Any, argument: str | None = None) -> None:
     """Raises ``ValueError`` unless ``layers`` is a list of caches this module can take back.
 
     Args:
         op (str): the public function, for the message.
         name (str): which model's caches, for the message (``"the target's"``).
         layers (list): one cache per layer, as ``mlx_lm.models.cache.make_prompt_cache`` builds.
+        argument (str, optional): the argument that gave them, for the message. Default: none
+            (the model made them).
     """
+    name = f"{name} caches" + (f" (`{argument}`)" if argument else "")
     if not isinstance(layers, list) or not layers:
-        raise ValueError(f"{op}: {name} caches must be a non-empty list, got {layers!r}")
+        raise ValueError(f"{op}: {name} must be a non-empty list, got {layers!r}")
     unsupported = _unsupported(layers)
     if unsupported:
         raise ValueError(
-            f"{op}: {name} caches include {', '.join(sorted(unsupported))}, which speculative "
+            f"{op}: {name} include {', '.join(sorted(unsupported))}, which speculative "
             "decoding cannot take back after a rejected draft (supported: KVCache, "
             "QuantizedKVCache, ConcatenateKVCache, ChunkedKVCache, RotatingKVCache, ArraysCache, "
             "CacheList of those)"

@@ -243,9 +243,10 @@ def speculative_generate_step(
     targets = len(make_prompt_cache(model))
     chosen = _drafter(op, draft_model, drafter, prompt_cache, targets)
     target_cache = make_prompt_cache(model) if prompt_cache is None else prompt_cache[:targets]
-    check_caches(op, "the target's", target_cache)
+    given = None if prompt_cache is None else "prompt_cache"
+    check_caches(op, "the target's", target_cache, given)
     if isinstance(chosen, ModelDrafter):
-        check_caches(op, "the draft model's", chosen.cache.layers)
+        check_caches(op, "the draft model's", chosen.cache.layers, given)
         caches = target_cache + chosen.cache.layers
     else:
         caches = target_cache

@@ -259,6 +259,7 @@ def test_unsupported_cache_raises_before_any_work(target, drafts) -> None:
         ({"num_draft_tokens": -1}, "`num_draft_tokens`"),
         ({"max_tokens": -2}, "`max_tokens`"),
         ({"key": mx.array([1, 2, 3], dtype=mx.uint32)}, "`key`"),
+        ({"prompt_cache": ["a", "b", "c"]}, r"the target's caches \(`prompt_cache`\) include str"),
     ],
 )
 def test_bad_arguments_raise_value_error(target, drafts, kwargs, match) -> None:
