@@ -133,7 +133,8 @@ class Target:
         n = draft.size
         self.cache.checkpoint()
         # A draft id the target cannot embed is never accepted; feed a valid id in its place.
-        fed = draft if self.vocab is None else mx.minimum(draft, self.vocab - 1)
+        # As uint32, a negative int32 id of a drafter of one's own is one of those too.
+        fed = draft if self.vocab is None else mx.minimum(draft.astype(mx.uint32), self.vocab - 1)
         with decode_masks(self.cache.layers):
             logits = self.feed(mx.concatenate([text.tokens(self.cache.length), fed]))[-(n + 1) :]
         if not self.processors:

@@ -310,7 +310,8 @@ class Fixed(Drafter):
         self.kept: list[int] = []
 
     def propose(self, text, n, key) -> Draft:
-        return Draft(mx.array(self.tokens[:n], dtype=mx.uint32))
+        dtype = mx.int32 if min(self.tokens, default=0) < 0 else mx.uint32
+        return Draft(mx.array(self.tokens[:n], dtype=dtype))
 
     def update(self, text, accepted) -> None:
         self.kept.append(accepted)
@@ -330,6 +331,14 @@ def test_draft_ids_outside_the_target_vocabulary_are_rejected_not_fed(target, gr
     tokens, _, _ = run(PROMPT, target, None, drafter=huge, num_draft_tokens=3, max_tokens=8)
     assert tokens == greedy_reference[:8]
     assert huge.kept[0] == 1
+
+
+def test_negative_int32_draft_ids_are_rejected_not_fed(target, greedy_reference):
+    # Fed as they are, they index the embedding below its start (-2**31 segfaulted).
+    negative = Fixed([greedy_reference[0], -(2**31), -1])
+    tokens, _, _ = run(PROMPT, target, None, drafter=negative, num_draft_tokens=3, max_tokens=8)
+    assert tokens == greedy_reference[:8]
+    assert negative.kept[0] == 1
 
 
 @pytest.mark.parametrize(
