@@ -225,6 +225,8 @@ def speculative_generate_step(
         generation_stream
     ):
         raise ValueError(f"{op}: `stream` must be an mx.Stream or mx.Device, got {stream!r}")
+    if isinstance(stream, mx.Device) and not mx.is_available(stream):
+        raise ValueError(f"{op}: `stream` is {stream}, a device this MLX cannot run on")
     check_int(op, "num_draft_tokens", num_draft_tokens, 0, MAX_DRAFT_TOKENS)
     check_int(op, "max_tokens", max_tokens, -1)
     check_callable(op, "sampler", sampler)

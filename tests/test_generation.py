@@ -260,6 +260,11 @@ def test_unsupported_cache_raises_before_any_work(target, drafts) -> None:
         ({"max_tokens": -2}, "`max_tokens`"),
         ({"key": mx.array([1, 2, 3], dtype=mx.uint32)}, "`key`"),
         ({"prompt_cache": ["a", "b", "c"]}, r"the target's caches \(`prompt_cache`\) include str"),
+        pytest.param(
+            {"stream": mx.Device(mx.gpu)},
+            r"`stream` is Device\(gpu, 0\), a device this MLX cannot run on",
+            marks=pytest.mark.skipif(mx.is_available(mx.gpu), reason="a GPU can run it"),
+        ),
     ],
 )
 def test_bad_arguments_raise_value_error(target, drafts, kwargs, match) -> None:
