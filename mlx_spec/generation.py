@@ -338,7 +338,8 @@ def stream_generate(
         the last one.
 
     Raises:
-        ValueError: ``max_tokens`` is 0, ``input_embeddings`` are given with speculation, or
+        ValueError: with speculation, ``max_tokens`` is 0, ``input_embeddings`` are given,
+            ``tokenizer`` is no tokenizer, ``prompt`` no text or ids, or
             :func:`speculative_generate_step` rejects an argument.
     """
     if draft_model is None and kwargs.get("drafter") is None:
@@ -361,15 +362,30 @@ def stream_generate(
         models = [model] if draft_model is None else [model, draft_model]
         kwargs["prompt_cache"] = [c for m in models for c in make_prompt_cache(m, max_kv_size)]
     if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
+        try:
+            tokenizer = TokenizerWrapper(tokenizer)
+        except (AttributeError, TypeError) as error:
+            raise ValueError(
+                "stream_generate: `tokenizer` must be a tokenizer or mlx-lm's TokenizerWrapper, "
+                f"got {type(tokenizer).__name__} ({error})"
+            ) from None
     if isinstance(prompt, str):
         bos = tokenizer.bos_token
         prompt = tokenizer.encode(
             prompt, add_special_tokens=bos is None or not prompt.startswith(bos)
         )
     if not isinstance(prompt, mx.array):
-        prompt = mx.array(prompt)
-    stats = kwargs.pop("stats", None) or SpeculativeStats()
+        try:
+            prompt = mx.array(prompt)
+        except (TypeError, ValueError, RuntimeError) as error:
+            # RuntimeError: MLX's std::bad_cast for a Python int at or above 2**63.
+            raise ValueError(
+                "stream_generate: `prompt` must be text, an array or a list of token ids, got "
+                f"{type(prompt).__name__} MLX cannot make an array of ({error})"
+            ) from None
+    stats = kwargs.pop("stats", None)
+    if stats is None:
+        stats = SpeculativeStats()
     eos = tokenizer.eos_token_ids
     tokens = speculative_generate_step(
         prompt,

@@ -84,6 +84,24 @@ def test_generate_returns_text_and_fills_stats(target, drafts) -> None:
     assert text == plain and stats.generated == 40 and stats.rounds > 0
 
 
+@pytest.mark.parametrize(
+    ("arguments", "match"),
+    [
+        ({"tokenizer": None}, r"stream_generate: `tokenizer` must be a tokenizer .* got NoneType"),
+        ({"prompt": [2**64]}, r"stream_generate: `prompt` must be text, .* got list"),
+        ({"prompt": [[1], [2, 3]]}, r"stream_generate: `prompt` must be text, .* got list"),
+        ({"stats": {}}, r"speculative_generate_step: `stats` must be a SpeculativeStats"),
+    ],
+)
+def test_stream_generate_refuses_bad_arguments(target, drafts, arguments, match) -> None:
+    given = {"tokenizer": ByteTokenizer(), "prompt": PROMPT, **arguments}
+    responses = stream_generate(
+        target, given.pop("tokenizer"), given.pop("prompt"), 3, drafts["truncated"], **given
+    )
+    with pytest.raises(ValueError, match=match):
+        next(responses)
+
+
 @pytest.fixture
 def patched():
     patch_mlx_lm()
