@@ -33,6 +33,7 @@ from ._checks import (
     check_processors,
     check_prompt,
     check_prompt_cache,
+    is_int,
 )
 from .caches import ModelCache, check_caches
 from .distributed import agree_key, model_group
@@ -113,7 +114,7 @@ def _drafter(
             f"{op}: `prompt_cache` must hold the target's {targets} caches (a drafter keeps its "
             f"own), got {len(prompt_cache)} caches"
         )
-    if drafter == "prompt-lookup":
+    if isinstance(drafter, str) and drafter == "prompt-lookup":
         return PromptLookupDrafter()
     if isinstance(drafter, Drafter):
         return drafter
@@ -352,7 +353,7 @@ def stream_generate(
             kwargs.pop(name, None)
         yield from _LM_STREAM_GENERATE(model, tokenizer, prompt, max_tokens, None, stream, **kwargs)
         return
-    if max_tokens == 0:
+    if is_int(max_tokens) and max_tokens == 0:
         raise ValueError("stream_generate: `max_tokens` must not be 0 (use -1 for no limit)")
     if kwargs.pop("input_embeddings", None) is not None:
         raise ValueError("stream_generate: speculative decoding does not take `input_embeddings`")

@@ -7,6 +7,7 @@ import importlib
 import sys
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from helpers import PROMPT, ByteTokenizer, run
 from mlx_lm.generate import generate_step
@@ -91,13 +92,16 @@ def test_generate_returns_text_and_fills_stats(target, drafts) -> None:
         ({"prompt": [2**64]}, r"stream_generate: `prompt` must be text, .* got list"),
         ({"prompt": [[1], [2, 3]]}, r"stream_generate: `prompt` must be text, .* got list"),
         ({"stats": {}}, r"speculative_generate_step: `stats` must be a SpeculativeStats"),
+        # Compared with == first, an array gave NumPy's "truth value ... is ambiguous".
+        ({"max_tokens": np.array([1, 2])}, r"speculative_generate_step: `max_tokens` must be"),
+        ({"drafter": np.array([1, 2])}, r"speculative_generate_step: `drafter` must be"),
     ],
 )
 def test_stream_generate_refuses_bad_arguments(target, drafts, arguments, match) -> None:
-    given = {"tokenizer": ByteTokenizer(), "prompt": PROMPT, **arguments}
-    responses = stream_generate(
-        target, given.pop("tokenizer"), given.pop("prompt"), 3, drafts["truncated"], **given
-    )
+    given = {"tokenizer": ByteTokenizer(), "prompt": PROMPT, "max_tokens": 3, **arguments}
+    if "drafter" not in given:
+        given["draft_model"] = drafts["truncated"]
+    responses = stream_generate(target, **given)
     with pytest.raises(ValueError, match=match):
         next(responses)
 
