@@ -456,7 +456,12 @@ def generate(
 
     Returns:
         str: the generated text.
+
+    Raises:
+        ValueError: ``verbose`` is not a bool, or :func:`stream_generate` rejects an argument.
     """
+    if not isinstance(verbose, bool):
+        raise ValueError(f"generate: `verbose` must be a bool, got {verbose!r}")
     if verbose:
         print("=" * 10)
     text = ""

@@ -85,6 +85,15 @@ def test_generate_returns_text_and_fills_stats(target, drafts) -> None:
     assert text == plain and stats.generated == 40 and stats.rounds > 0
 
 
+@pytest.mark.parametrize("verbose", [np.array([], dtype=bool), "no", None])
+def test_generate_refuses_a_verbose_that_is_not_a_bool(target, drafts, verbose) -> None:
+    # An empty NumPy array in `if verbose` raised NumPy's own ValueError.
+    with pytest.raises(ValueError, match="generate: `verbose` must be a bool"):
+        spec_generation.generate(
+            target, ByteTokenizer(), PROMPT, verbose=verbose, draft_model=drafts["truncated"]
+        )
+
+
 @pytest.mark.parametrize(
     ("arguments", "match"),
     [
