@@ -1,6 +1,10 @@
-"""Every ```python block in README.md and docs/*.md runs, in order, one namespace per file; every
-script in examples/ runs; and .ci/run runs exactly the test command that README.md gives."""
+"""The docs: every ```python block in README.md and docs/*.md runs, in order, one namespace per
+file; every script in examples/ runs; .ci/run runs exactly the test command that README.md gives;
+and docs/api.md is what scripts/api_docs.py writes from the docstrings now."""
 
+import difflib
+import functools
+import importlib.util
 import re
 import subprocess
 import sys
@@ -50,3 +54,24 @@ def test_ci_runs_the_readme_test_command():
     assert len(commands) == 1, "README.md must give exactly one test command"
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert commands[0] in ci
+
+
+@functools.cache
+def api_docs():
+    """``scripts/api_docs.py``, imported as a module."""
+    spec = importlib.util.spec_from_file_location("api_docs", ROOT / "scripts" / "api_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_api_reference_is_generated_from_the_docstrings():
+    written = (ROOT / "docs" / "api.md").read_text()
+    generated = api_docs().render()
+    diff = "".join(
+        list(difflib.unified_diff(written.splitlines(True), generated.splitlines(True)))[:60]
+    )
+    assert written == generated, (
+        f"docs/api.md is out of date: run python scripts/api_docs.py\n{diff}"
+    )
