@@ -7,7 +7,7 @@ import os
 # model, which needs the target's logits for a position to be the same whether 1 or N + 1 positions
 # are scored together. MLX's CUDA backend computes float32 matrix products in TF32 by default (10
 # mantissa bits), which moves logits by ~1e-3 between those two shapes and flips near ties; the
-# acceptance itself is exact either way (docs/mlx-lm.md). Set before MLX is imported.
+# acceptance itself is exact either way (docs/design.md). Set before MLX is imported.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 import pytest

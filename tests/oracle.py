@@ -1,7 +1,7 @@
 """A plain-loop NumPy oracle for speculative acceptance, written from the specification.
 
-It follows the specification (``docs/acceptance.md``) position by position, in float64, and
-takes the acceptance uniforms explicitly, so a test can feed it the uniforms that
+It follows the specification (``docs/design.md``, "Acceptance") position by position, in
+float64, and takes the acceptance uniforms explicitly, so a test can feed it the uniforms that
 :func:`mlx_spec.accept_sampled` derives from its key. It shares no code with ``mlx_spec``.
 
 Semantics, for a draft ``d`` of ``N`` tokens and rows ``0..N``:
@@ -27,8 +27,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-#: The bit ``next`` carries for an invalid deciding row (docs/api.md), and the distance from 1
-#: that a sampled row's total may have (docs/acceptance.md).
+#: The bit ``next`` carries for an invalid deciding row, and the distance from 1 that a sampled
+#: row's total may have (docs/design.md, "What is validated").
 INVALID_ROW = 1 << 31
 MASS_TOLERANCE = 2.0**-6
 

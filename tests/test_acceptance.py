@@ -434,7 +434,7 @@ def test_a_rejected_draft_row_outside_0_1_is_reported(entry):
 
 def test_what_is_not_read_is_not_checked():
     # Row 2 is never read, draft row 0 only at its draft token, and no draft row's total is
-    # computed: none of these is reported (docs/acceptance.md lists what is checked).
+    # computed: none of these is reported (docs/design.md lists what is checked).
     probs = mx.array([CERTAIN, [0.0, 0.5, 0.5, 0.0], [5.0, -1.0, NAN, 0.0]])
     q = mx.array([[1.0, -3.0, 7.0, NAN], [0.5, 0.0, 0.0, 0.0]])
     for key in range(5):

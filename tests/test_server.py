@@ -119,7 +119,7 @@ def patched_server(logs: Path) -> Server:
 def unpatched_server(logs: Path) -> Server:
     """mlx-lm's own server, without reuse of its prompt cache: its speculative loop leaves the
     target's cache one token short of the tokens the server files it under, so a request that
-    reuses it loses a token of its prompt (docs/mlx-lm.md, "The server")."""
+    reuses it loses a token of its prompt (docs/guide.md, "The server")."""
     command = [sys.executable, "-m", "mlx_lm", "server", "--prompt-cache-size", "0"]
     return Server(command, logs)
 

@@ -3,7 +3,7 @@
 MLX 0.32 keeps a compile cache per thread. One that still holds entries when its thread ends is
 freed by the thread's C++ exit handlers, which take the GIL; if the main thread is finalizing the
 interpreter by then, the process aborts with "terminate called without an active exception"
-(docs/mlx-lm.md, "Worker threads"). Whether it does is a race, so each case runs in a fresh
+(docs/design.md, "Working around MLX 0.32"). Whether it does is a race, so each case runs in a fresh
 interpreter and checks the exit status and stderr.
 """
 
@@ -63,7 +63,7 @@ def test_acceptance_ops_in_a_worker_thread_let_the_process_exit():
 def test_loop_in_a_worker_thread_exits_cleanly_after_clear_streams():
     # mlx-lm's llama calls a compiled activation (swiglu), whose entries stay in the thread's
     # cache whatever mlx-spec does: without the last line this script aborted in every run.
-    # mx.clear_streams() at the end of the thread, MLX's remedy, frees them (docs/mlx-lm.md).
+    # mx.clear_streams() at the end of the thread, MLX's remedy, frees them (docs/design.md).
     source = f"""
         import threading
         import mlx.core as mx
