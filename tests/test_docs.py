@@ -1,6 +1,7 @@
 """The docs: every ```python block in README.md and docs/*.md runs, in order, one namespace per
 file; every script in examples/ runs; .ci/run runs exactly the test command that README.md gives;
-and docs/api.md is what scripts/api_docs.py writes from the docstrings now."""
+docs/api.md is what scripts/api_docs.py writes from the docstrings now; every relative link
+resolves; and no page but docs/performance.md quotes a date, a commit or a machine path."""
 
 import difflib
 import functools
@@ -15,6 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
+FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def python_blocks(path: Path) -> list[str]:
@@ -75,3 +78,35 @@ def test_api_reference_is_generated_from_the_docstrings():
     assert written == generated, (
         f"docs/api.md is out of date: run python scripts/api_docs.py\n{diff}"
     )
+
+
+def headings(path: Path) -> set[str]:
+    """The anchors GitHub gives the headings of ``path``."""
+    text = FENCE.sub("", path.read_text())
+    slug = api_docs().slug
+    return {slug(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}
+
+
+@pytest.mark.parametrize("path", DOCS, ids=[p.name for p in DOCS])
+def test_relative_links_resolve(path):
+    text = FENCE.sub("", path.read_text())
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        assert linked.exists(), f"{path.name}: {target} names no file"
+        if anchor and linked.suffix == ".md":
+            assert anchor in headings(linked), f"{path.name}: {target} names no heading"
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in DOCS if p.name != "performance.md"], ids=lambda p: p.name
+)
+def test_pages_quote_no_dates_commits_or_machine_paths(path):
+    # Results, with their machine and date, live in docs/performance.md; history stays in git.
+    text = path.read_text()
+    assert not re.findall(r"\b20\d\d-[01]\d-[0-3]\d\b", text), "a date"
+    commits = [w for w in re.findall(r"\b[0-9a-f]{7,40}\b", text) if re.search(r"[a-f]", w)]
+    assert not [w for w in commits if re.search(r"\d", w)], f"a commit: {commits}"
+    assert not re.findall(r"(?<![\w.])/(?:home|root|work|tmp|Users)/", text), "a machine path"
