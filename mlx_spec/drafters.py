@@ -39,6 +39,8 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 class Text:
     """The text of one generation: the prompt, then the tokens generated so far.
 
+    The loop makes it and hands it to the drafter; ``len(text)`` is its length in tokens.
+
     Attributes:
         prompt (array): ``[P]`` uint32 prompt tokens.
         generated (list of int): the tokens generated so far.
@@ -115,7 +117,7 @@ class DraftSetup:
         logits_processors (list): ``processor(tokens, logits) -> logits`` applied in order to a
             model drafter's ``[1, V]`` logits, ``tokens`` being the text before that position.
         quantize (callable): applied to a model drafter's caches after each call (mlx-lm's
-            ``kv_bits`` quantization).
+            ``kv_bits`` quantization; by default, nothing).
         prefill_step_size (int): prompt tokens per prefill call.
         seed (int, optional): a host seed derived from the generation's key, for drafters that
             draw on the host; ``None`` when the rule takes no keys.
@@ -140,7 +142,13 @@ class Drafter(ABC):
     free: bool = False
 
     def start(self, text: Text, setup: DraftSetup) -> None:  # noqa: B027 (optional hook)
-        """Prepares for a generation whose text starts as ``text`` (the prompt)."""
+        """Prepares for a generation. Optional: the default does nothing.
+
+        Args:
+            text (Text): the text so far: the prompt.
+            setup (DraftSetup): the generation's rule, logits processors, cache quantization,
+                prefill step and host seed.
+        """
 
     @abstractmethod
     def propose(self, text: Text, n: int, key: mx.array | None) -> Draft:
@@ -157,16 +165,30 @@ class Drafter(ABC):
         """
 
     def update(self, text: Text, accepted: int) -> None:  # noqa: B027 (optional hook)
-        """After a round: ``accepted`` tokens of the last proposal were kept, and ``text`` has
-        grown by them and the target's next token (unless the generation ended within them)."""
+        """Learns the outcome of a round. Optional: the default does nothing.
+
+        Args:
+            text (Text): the text, grown by the kept draft tokens and the target's next token
+                (unless the generation ended within them).
+            accepted (int): how many tokens of the last proposal were kept.
+        """
 
     def finish(self, text: Text, length: int, feed: bool) -> None:  # noqa: B027 (optional hook)
-        """At the end of a generation: the final text is ``text[:length]``; ``feed`` says whether
-        to hold all of it (else a prefix is enough, as after an error)."""
+        """Ends a generation, also after an error or a close. Optional: the default does nothing.
+
+        Args:
+            text (Text): the text; the generation's final text is its first ``length`` tokens.
+            length (int): the tokens of ``text`` that the generation kept.
+            feed (bool): whether state such as a model's caches must hold all ``length`` tokens
+                (else a prefix of them is enough, as after an error).
+        """
 
 
 class ModelDrafter(Drafter):
     """A draft model with the target's tokenizer.
+
+    ``draft_model=model`` makes ``ModelDrafter(model)``. Given as ``drafter=``, it keeps its own
+    caches: a ``prompt_cache`` then holds the target's only.
 
     Args:
         model (nn.Module): the draft model (its vocabulary may be padded differently).

@@ -52,6 +52,10 @@ def _logprobs(logits: mx.array) -> mx.array:
 class Rule:
     """How draft tokens are drawn and verified under one sampler.
 
+    A drafter gets it as ``setup.rule`` (:class:`mlx_spec.drafters.DraftSetup`): :meth:`draw`
+    draws a token the way the generation's rule does, and :attr:`random` says whether it needs a
+    key. The loop verifies through :meth:`decide`.
+
     Attributes:
         kind (str): ``"greedy"``, ``"sampled"`` or ``"match"``.
         sampler (callable, optional): the generation's sampler (``None`` for greedy).

@@ -405,7 +405,7 @@ def also(path: str, obj: Any) -> str:
 
     name = path.rsplit(".", 1)[-1]
     if path != f"mlx_spec.{name}" and name in mlx_spec.__all__:
-        return f"Also `mlx_spec.{name}`."
+        return f"Also `mlx_spec.{name}`: the same object."
     return ""
 
 
@@ -414,8 +414,8 @@ def render_class(path: str, cls: type, links: Links) -> list[str]:
     parts = []
     if not inspect.isabstract(cls) and not is_external(cls):
         parts.append(f"```\n{signature(cls, short)}\n```")
-    parts.append(render_doc(cls.__doc__, links))
     parts.append(also(path, cls))
+    parts.append(render_doc(cls.__doc__, links))
     for name, value, assignment in documented_members(cls):
         heading = f"#### `{short}.{name}`"
         if assignment is not None:
@@ -439,8 +439,8 @@ def render_entry(path: str, links: Links) -> str:
         parts += render_class(path, obj, links)
     elif callable(obj):
         parts.append(f"```\n{signature(obj, name)}\n```")
-        parts.append(render_doc(obj.__doc__, links))
         parts.append(also(path, obj))
+        parts.append(render_doc(obj.__doc__, links))
     else:
         found = constant(module, name)
         parts.append(f"```\n{found.source}\n```")

@@ -3,8 +3,8 @@
 - ``mlx-spec demo`` (:mod:`.demo`): the shipped model pair streams a few completions with the
   accepted draft tokens marked, then a table compares plain decoding, mlx-lm's speculative
   decoding and mlx-spec.
-- ``mlx-spec generate --model M --draft-model D --prompt P`` (:mod:`.generate`): any mlx-lm pair,
-  streamed, with the speculation's counts at the end.
+- ``mlx-spec generate --model M (--draft-model D | --prompt-lookup) --prompt P`` (:mod:`.generate`):
+  any mlx-lm model, streamed, with the speculation's counts at the end.
 - ``mlx-spec bench [--out DIR] [--quick]`` (:mod:`.bench`): the acceptance and generation
   benchmarks, written to ``results.json`` and two PNG plots.
 

@@ -38,9 +38,11 @@ def setup_arg_parser() -> Parser:
     parser = Parser(
         prog="mlx-spec generate",
         description=(
-            "Speculative generation with a target and a draft model that share a tokenizer, "
-            "streamed; the speculation's counts come at the end. The output has exactly the "
-            "target's distribution under the given sampler."
+            "Speculative generation with any mlx-lm model, streamed: drafts come from a draft "
+            "model that shares the target's tokenizer, or from prompt lookup (no second model). "
+            "The output has exactly the target's distribution under the given sampler; the "
+            "speculation's counts come at the end. Started by mlx.launch on several ranks, the "
+            "target is split over them and only rank 0 prints."
         ),
     )
     parser.add_argument(
