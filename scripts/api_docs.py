@@ -499,7 +499,8 @@ def help_text(action: argparse.Action, prog: str) -> str:
 
 
 def option_rows(parser: argparse.ArgumentParser) -> list[str]:
-    rows = ["| option | value | default | |", "| --- | --- | --- | --- |"]
+    """A Markdown table of ``parser``'s options: names, value, help (with the default)."""
+    rows = ["| option | value | |", "| --- | --- | --- |"]
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction) or not action.option_strings:
             continue
@@ -510,14 +511,13 @@ def option_rows(parser: argparse.ArgumentParser) -> list[str]:
             value = " \\| ".join(f"`{c}`" for c in action.choices)
         else:
             value = f"`{action.metavar or action.dest.upper()}`"
-        text = help_text(action, parser.prog).replace("|", "\\|")
+        text = help_text(action, parser.prog)
         if action.required:
-            shown = "required"
-        elif action.default is None or action.default is False or "default" in text:
-            shown = ""  # none, or the help gives it
-        else:
-            shown = f"`{action.default}`"
-        rows.append(f"| {names} | {value} | {shown} | {text} |")
+            text = f"(required) {text}"
+        elif action.default is not None and action.default is not False and "default" not in text:
+            text = f"{text} (default: {action.default})"
+        text = text.replace("|", "\\|")
+        rows.append(f"| {names} | {value} | {text} |")
     return rows
 
 
