@@ -184,7 +184,12 @@ def check_eos_ids(op: str, eos_token_ids: object) -> list[int]:
         raise ValueError(
             f"{op}: `eos_token_ids` must be an iterable of int token ids, got {eos_token_ids!r}"
         )
-    ids = list(eos_token_ids)
+    try:
+        ids = list(eos_token_ids)
+    except TypeError:  # iterable by type, not by value: a 0-d array
+        raise ValueError(
+            f"{op}: `eos_token_ids` must be an iterable of int token ids, got {eos_token_ids!r}"
+        ) from None
     for i in ids:
         if not is_int(i) or not 0 <= i < 2**32:
             raise ValueError(f"{op}: `eos_token_ids` must hold int ids in [0, 2**32), got {i!r}")

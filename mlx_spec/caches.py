@@ -37,6 +37,7 @@ from mlx_lm.models.cache import (
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
+    make_prompt_cache,
 )
 
 __all__ = ["ModelCache", "check_caches", "decode_masks"]
@@ -81,7 +82,18 @@ def _replays(layers: list[Any]) -> bool:
     )
 
 
-def check_caches(op: str, name: str, layers: Any, argument: str | None = None) -> None:
+def _role(layer: Any) -> Any:
+    """What a layer's cache serves: attention (appending and rotating caches serve it alike, as
+    ``max_kv_size`` and quantization swap them), a recurrent state, or a list of those."""
+    kind = _kind(layer)
+    if kind == "list":
+        return tuple(_role(member) for member in layer.caches)
+    return "attention" if kind in ("append", "rotating") else kind
+
+
+def check_caches(
+    op: str, name: str, layers: Any, argument: str | None = None, model: Any = None
+) -> None:
     """Raises ``ValueError`` unless ``layers`` is a list of caches this module can take back.
 
     Args:
@@ -90,6 +102,9 @@ def check_caches(op: str, name: str, layers: Any, argument: str | None = None) -
         layers (list): one cache per layer, as ``mlx_lm.models.cache.make_prompt_cache`` builds.
         argument (str, optional): the argument that gave them, for the message. Default: none
             (the model made them).
+        model (nn.Module, optional): the model they are for: each cache must then serve what
+            ``make_prompt_cache(model)``'s does in its place (attention or a recurrent state).
+            Default: not compared.
     """
     name = f"{name} caches" + (f" (`{argument}`)" if argument else "")
     if not isinstance(layers, list) or not layers:
@@ -102,6 +117,14 @@ def check_caches(op: str, name: str, layers: Any, argument: str | None = None) -
             "QuantizedKVCache, ConcatenateKVCache, ChunkedKVCache, RotatingKVCache, ArraysCache, "
             "CacheList of those)"
         )
+    if model is not None:
+        fresh = make_prompt_cache(model)
+        roles = [_role(layer) for layer in layers]
+        if roles != [_role(layer) for layer in fresh]:
+            raise ValueError(
+                f"{op}: {name} do not fit the model: its layers take "
+                f"{[type(c).__name__ for c in fresh]}, got {[type(c).__name__ for c in layers]}"
+            )
 
 
 def _held(layer: RotatingKVCache) -> int:

@@ -31,9 +31,21 @@ import numpy as np
 from .caches import ModelCache
 from .rules import Rule
 
-__all__ = ["Draft", "DraftSetup", "Drafter", "ModelDrafter", "PromptLookupDrafter", "Text"]
+__all__ = [
+    "MAX_NGRAM",
+    "Draft",
+    "DraftSetup",
+    "Drafter",
+    "ModelDrafter",
+    "PromptLookupDrafter",
+    "Text",
+]
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+#: The longest n-gram prompt lookup matches: each token added to the text is indexed once per
+#: n-gram size, so the size bounds the work of a round.
+MAX_NGRAM = 32
 
 
 class Text:
@@ -302,7 +314,8 @@ class PromptLookupDrafter(Drafter):
     plain step of the target.
 
     Args:
-        max_ngram (int): the longest n-gram to match, ``>= min_ngram``. Default: ``3``.
+        max_ngram (int): the longest n-gram to match, in ``[min_ngram, MAX_NGRAM]``. Default:
+            ``3``.
         min_ngram (int): the shortest n-gram to match, ``>= 1``. Default: ``1``.
         distribution (bool): in a sampled generation, draw each draft token from the frequencies
             of the tokens that followed the matched n-gram (and keep it with probability
@@ -311,16 +324,18 @@ class PromptLookupDrafter(Drafter):
             Default: ``False``.
 
     Raises:
-        ValueError: an n-gram size is not an integer ``>= 1``, or ``min_ngram > max_ngram``.
+        ValueError: an n-gram size is not an integer in ``[1, MAX_NGRAM]``, or
+            ``min_ngram > max_ngram``.
     """
 
     free = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, distribution: bool = False) -> None:
         for name, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_NGRAM:
                 raise ValueError(
-                    f"PromptLookupDrafter: `{name}` must be an int >= 1, got {value!r}"
+                    f"PromptLookupDrafter: `{name}` must be an int in [1, {MAX_NGRAM}], "
+                    f"got {value!r}"
                 )
         if min_ngram > max_ngram:
             raise ValueError(

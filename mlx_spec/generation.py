@@ -247,9 +247,9 @@ def speculative_generate_step(
     chosen = _drafter(op, draft_model, drafter, prompt_cache, targets)
     target_cache = make_prompt_cache(model) if prompt_cache is None else prompt_cache[:targets]
     given = None if prompt_cache is None else "prompt_cache"
-    check_caches(op, "the target's", target_cache, given)
+    check_caches(op, "the target's", target_cache, given, model)
     if isinstance(chosen, ModelDrafter):
-        check_caches(op, "the draft model's", chosen.cache.layers, given)
+        check_caches(op, "the draft model's", chosen.cache.layers, given, chosen.model)
         caches = target_cache + chosen.cache.layers
     else:
         caches = target_cache

@@ -30,19 +30,22 @@ _FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 #: The least positive temperature: ``1 / temp`` must be a finite float32 (and bfloat16).
 MIN_TEMP = 2.0**-126
+#: The highest temperature :func:`make_sampler` takes: above it ``1 / temp`` is no normal float32,
+#: and a filtered token's ``-inf`` times that 0 would be NaN.
+MAX_TEMP = 2.0**126
 
 
 def _check_logprobs(fn: str, logprobs: mx.array) -> None:
     if (
         not isinstance(logprobs, mx.array)
         or logprobs.ndim < 1
-        or logprobs.shape[-1] < 1
+        or logprobs.size == 0
         or logprobs.dtype not in _FLOAT_DTYPES
     ):
         shape = getattr(logprobs, "shape", None)
         dtype = getattr(logprobs, "dtype", type(logprobs).__name__)
         raise ValueError(
-            f"{fn}: logprobs must be a [..., V] float32, float16 or bfloat16 array with V >= 1, "
+            f"{fn}: logprobs must be a non-empty [..., V] float32, float16 or bfloat16 array, "
             f"got shape {shape} and dtype {dtype}"
         )
 
@@ -176,9 +179,9 @@ def top_k_mask(logprobs: mx.array, top_k: int, *, stream: StreamOrDevice = None)
 def _check_params(
     fn: str, temp: float, top_p: float, min_p: float, min_tokens_to_keep: int, top_k: int
 ) -> None:
-    if not isinstance(temp, numbers.Real) or not (temp == 0 or MIN_TEMP <= temp < math.inf):
+    if not isinstance(temp, numbers.Real) or not (temp == 0 or MIN_TEMP <= temp <= MAX_TEMP):
         raise ValueError(
-            f"{fn}: temp must be 0 or a finite float >= 2**-126 (1 / temp a finite float32), "
+            f"{fn}: temp must be 0 or a float in [2**-126, 2**126] (1 / temp a normal float32), "
             f"got {temp!r}"
         )
     _check_fraction(fn, "top_p", top_p)

@@ -89,6 +89,7 @@ def sections() -> list[Section]:
                 "mlx_spec.sampling.min_p_mask",
                 "mlx_spec.sampling.top_k_mask",
                 "mlx_spec.sampling.MIN_TEMP",
+                "mlx_spec.sampling.MAX_TEMP",
             ],
         ),
         Section(
@@ -113,6 +114,7 @@ def sections() -> list[Section]:
                 "mlx_spec.drafters.Draft",
                 "mlx_spec.drafters.DraftSetup",
                 "mlx_spec.drafters.Text",
+                "mlx_spec.drafters.MAX_NGRAM",
                 "mlx_spec.rules.Rule",
             ],
         ),

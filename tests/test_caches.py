@@ -82,14 +82,28 @@ def case(name: str) -> dict:
 
 
 @functools.cache
-def plain(name: str, tokens: int = 300) -> list[int]:
-    """mlx-lm's plain greedy decoding with the case's caches."""
+def _plain(name: str, tokens: int) -> list[int] | str:
     c = case(name)
     cache = c["cache"](c["model"])
     steps = generate_step(
         mx.array(PROMPT), c["model"], max_tokens=tokens, prompt_cache=cache, **c["options"]
     )
-    return [t for t, _ in steps]
+    try:
+        return [t for t, _ in steps]
+    except RuntimeError as error:
+        if "[quantized_matmul] No implementation" not in str(error):
+            raise
+        # MLX's CUDA backend lacks quantized attention at this shape: plain decoding fails too.
+        return str(error)
+
+
+def plain(name: str, tokens: int = 300) -> list[int]:
+    """mlx-lm's plain greedy decoding with the case's caches (the test is skipped where MLX
+    cannot run it on this device)."""
+    out = _plain(name, tokens)
+    if isinstance(out, str):
+        pytest.skip(f"plain decoding fails on this device: {out}")
+    return out
 
 
 def speculate(name: str, drafter: str, n: int, tokens: int = 300, **kwargs):
@@ -114,10 +128,10 @@ def speculate(name: str, drafter: str, n: int, tokens: int = 300, **kwargs):
     return [t for t, _, _ in steps], stats, cache
 
 
-def test_reference_texts_are_varied() -> None:
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_texts_are_varied(name: str) -> None:
     # Guards the equality tests: a model stuck on a few tokens would make them vacuous.
-    for name in CASES:
-        assert len(set(plain(name)[100:])) > 20, name
+    assert len(set(plain(name)[100:])) > 20
 
 
 def test_the_cases_build_the_caches_they_test() -> None:
