@@ -47,6 +47,10 @@ _ACCEPT_DECAY = 0.97
 _PRIOR_KEPT, _PRIOR_TESTED = 2.0, 3.0
 # The costs come from the last this many rounds.
 _COST_WINDOW = 48
+# Plain decoding's cost a token is the median of the last this many stretches, measured at least
+# every _REMEASURE choices.
+_PLAIN_WINDOW = 8
+_REMEASURE = 64
 # Every this many rounds the choice tries one token more or fewer than its best (alternately),
 # so consecutive rounds with different lengths keep measuring the slope.
 _EXPLORE_EVERY = 6
@@ -62,17 +66,25 @@ class DraftLength:
         free (bool): whether a proposal costs no model call (prompt lookup): then a draft token
             costs what a scored position costs, and when drafting does not pay the loop checks
             proposals against the emitted text instead of verifying them.
+        stretches (bool): whether drafting nothing runs a stretch of pipelined plain steps (see
+            :mod:`mlx_spec.loop`), whose cost per token is then measured and is what drafting
+            must beat; else drafting nothing is a round of one step.
     """
 
-    def __init__(self, most: int, adaptive: bool, free: bool = False) -> None:
+    def __init__(
+        self, most: int, adaptive: bool, free: bool = False, stretches: bool = False
+    ) -> None:
         self.most = most
         self.adaptive = adaptive
         self.free = free
+        self.stretches = stretches
         self._kept = _PRIOR_KEPT
         self._tested = _PRIOR_TESTED
         # (pending, drafted, seconds) of the recent rounds, oldest first.
         self._rounds: deque[tuple[int, int, float]] = deque(maxlen=_COST_WINDOW)
         self._base = self._slope = None
+        # Seconds a token of the recent stretches of plain steps (see mlx_spec.loop).
+        self._plain: deque[float] = deque(maxlen=_PLAIN_WINDOW)
         self._count = 0
 
     @property
@@ -111,11 +123,21 @@ class DraftLength:
         if top == 0:
             return 0
         if self._slope is None:
+            if self.stretches and self._rounds and self.acceptance < 0.5:
+                # A drafter that proposed nothing yet (prompt lookup before any match): plain
+                # steps, while its proposals checked against the text raise its acceptance.
+                if not any(drafted for _, drafted, _ in self._rounds):
+                    return 0
             # Until a pair of rounds of different lengths is measured: the most, one fewer, ...
             return top - len(self._rounds) % 2
+        if self.stretches and (not self._plain or self._count % _REMEASURE == 0):
+            # A stretch of plain steps, to measure (again) what drafting must beat.
+            return 0
         a = min(self.acceptance, 0.999)
-        best, best_rate = 0, 0.0
-        for n in range(top + 1):
+        # Drafting nothing: plain steps, at the cost measured in stretches (or a round of one).
+        plain = float(np.median(self._plain)) if self.stretches else self.cost(pending, 0)
+        best, best_rate = 0, 1 / max(plain, 1e-9)
+        for n in range(1, top + 1):
             tokens = (1 - a ** (n + 1)) / (1 - a)
             cost = self.cost(pending, n)
             if replays and n:
@@ -148,6 +170,10 @@ class DraftLength:
         if self.adaptive:
             self._rounds.append((fed - drafted, drafted, seconds))
             self._fit()
+
+    def record_plain(self, seconds: float) -> None:
+        """The seconds a token took in a stretch of plain steps (which drafting must beat)."""
+        self._plain.append(seconds)
 
     def _fit(self) -> None:
         rounds = np.array(self._rounds, dtype=np.float64)

@@ -294,7 +294,7 @@ def speculative_generate_step(
         target,
         chosen,
         rule,
-        DraftLength(num_draft_tokens, adaptive, chosen.free),
+        DraftLength(num_draft_tokens, adaptive, chosen.free, stretches=group is None),
         eos,
         key,
         stats if stats is not None else SpeculativeStats(),

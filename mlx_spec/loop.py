@@ -31,13 +31,18 @@ from . import kernels
 from .acceptance import check_next
 from .caches import ModelCache, decode_masks
 from .draft_length import MAX_DRAFT_TOKENS, DraftLength
-from .drafters import Drafter, DraftSetup, ModelDrafter, Text
+from .drafters import Draft, Drafter, DraftSetup, ModelDrafter, Text
 from .rules import Rule
 
 __all__ = ["Generation", "SpeculativeStats", "Target", "run", "vocab_size"]
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 StreamLike = mx.Stream | mx.ThreadLocalStream | mx.Device
+
+#: Plain steps a stretch runs before the draft length is chosen again (when drafting does not pay).
+STRETCH = 8
+
+_NONE = Draft(mx.array([], dtype=mx.uint32))
 
 
 @dataclass
@@ -123,6 +128,16 @@ class Target:
             return MAX_DRAFT_TOKENS + 1
         return self.quantized_kv_start - max(offsets)
 
+    def step(self, tokens: mx.array, context: mx.array) -> mx.array:
+        """One plain step: runs the model on ``[k]`` tokens and returns the ``[1, V]`` logits of
+        the last position (after the processors, ``context`` being the text up to it); lazy."""
+        self.cache.checkpoint()
+        logits = self.feed(tokens)[-1:]
+        self.quantize(self.cache.layers)
+        for processor in self.processors:
+            logits = processor(context, logits)
+        return logits
+
     def verify(self, text: Text, draft: mx.array) -> mx.array:
         """Scores the tokens the caches lack and ``[N]`` draft tokens in one call.
 
@@ -195,10 +210,28 @@ class Generation:
         self._unrecorded: tuple[int, int, int, int] | None = None
         self._microseconds = 0
 
-    def round(self, remaining: int) -> tuple[list[int], int, mx.array]:
+    def plan(self, remaining: int) -> int:
+        """The number of draft tokens of the next round (0 with adaptive lengths: a stretch of
+        plain steps, see :meth:`stretch`).
+
+        Args:
+            remaining (int): the most tokens the next round may emit, ``>= 1``.
+        """
+        pending = len(self.text) - self.target.cache.length
+        cap = min(remaining - 1, self.target.room() - pending)
+        return self.lengths.choose(pending, max(cap, 0), self.target.cache.replays)
+
+    @property
+    def stretches(self) -> bool:
+        """Whether rounds that draft nothing run as stretches of pipelined plain steps: with
+        adaptive lengths, but not on a group (whose ranks must time their rounds alike)."""
+        return self.lengths.adaptive and self.lengths.stretches
+
+    def round(self, n: int, remaining: int) -> tuple[list[int], int, mx.array]:
         """One draft-verify round, with one host read.
 
         Args:
+            n (int): the most draft tokens (from :meth:`plan`).
             remaining (int): the most tokens this round may emit, ``>= 1``.
 
         Returns:
@@ -208,8 +241,6 @@ class Generation:
         start = time.perf_counter()
         length = len(self.text)
         pending = length - self.target.cache.length
-        cap = min(remaining - 1, self.target.room() - pending)
-        n = self.lengths.choose(pending, max(cap, 0), self.target.cache.replays)
         draft_key = verify_key = None
         if self.rule.random:
             self.key, draft_key, verify_key = mx.random.split(self.key, 3)
@@ -255,6 +286,61 @@ class Generation:
             self._unrecorded, self._microseconds = counts, min(int(seconds * 1e6), 2**32 - 1)
         return tokens, kept, logprobs
 
+    def stretch(self, count: int) -> Generator[tuple[int, mx.array], None, None]:
+        """Up to ``count`` plain steps of the target, each built and started before the previous
+        one is read, as mlx-lm's plain decoding runs: where drafting does not pay, this costs
+        what plain decoding costs, where rounds of one step would each wait for their read.
+
+        Each step draws its token as a round without drafts would (the same keys), so the text
+        is the one rounds would give. A free drafter's proposals are still checked against the
+        tokens (its acceptance, measured without verifying it).
+
+        Yields:
+            tuple[int, array]: each token and its ``[V]`` log-probabilities (lazy); the stretch
+            ends early after an EOS.
+        """
+        start = time.perf_counter()
+        held = self.target.cache.length
+        self.stats.replayed += len(self.text) - held - 1
+        context = self.text.array()
+        made = 0
+        step = self._plain_step(self.text.tokens(held), context)
+        while step is not None:
+            result, logprobs = step
+            made += 1
+            ahead = None
+            if made < count:
+                # The next step, built on the lazy token: it computes while this one is read.
+                context = mx.concatenate([context, result[1:2]])
+                ahead = self._plain_step(result[1:2], context)
+            guess = self.drafter.propose(self.text, 1, None) if self.drafter.free else _NONE
+            values = mx.concatenate([result, guess.tokens]).tolist()  # the step's one read
+            token = values[1]
+            check_next("speculative_generate_step", token)
+            self.text.extend([token])
+            if guess.size:
+                self.lengths.shadow(int(values[3] == token), 1)
+            self.stats.rounds += 1
+            yield token, logprobs[0]
+            if token in self.eos_set:
+                break
+            step = ahead
+        self.drafter.update(self.text, 0)
+        self.lengths.record_plain((time.perf_counter() - start) / made)
+
+    def _plain_step(self, inputs: mx.array, context: mx.array) -> tuple[mx.array, mx.array]:
+        """The lazy ``[3]`` result and ``[1, V]`` log-probabilities of one plain step, started."""
+        verify_key = None
+        if self.rule.random:
+            self.key, _, verify_key = mx.random.split(self.key, 3)
+        logits = self.target.step(inputs, context)
+        empty = mx.array([], dtype=mx.uint32)
+        result, logprobs = self.rule.decide(
+            logits, empty, None, self.eos_array, verify_key, fused=self.fused
+        )
+        mx.async_eval(result)
+        return result, logprobs
+
     def finish(self, consumed: int, feed: bool) -> None:
         """Leaves every cache holding the prompt and the ``consumed`` tokens; feeding what a
         cache lacks only when ``feed``."""
@@ -289,12 +375,28 @@ def run(
             progress(total, total)
         limit = max_tokens if max_tokens >= 0 else math.inf
         while True:
+            remaining = min(limit - consumed, 2**31)
             with mx.stream(stream):
-                tokens, from_draft, logprobs = generation.round(min(limit - consumed, 2**31))
-            for i, token in enumerate(tokens):
-                consumed += 1
-                generation.stats.generated += 1
-                yield token, logprobs[i], i < from_draft
+                n = generation.plan(remaining)
+            if n == 0 and generation.stretches:
+                steps = generation.stretch(min(STRETCH, remaining))
+                tokens: list[int] = []
+                while True:
+                    with mx.stream(stream):
+                        step = next(steps, None)
+                    if step is None:
+                        break
+                    tokens.append(step[0])
+                    consumed += 1
+                    generation.stats.generated += 1
+                    yield step[0], step[1], False
+            else:
+                with mx.stream(stream):
+                    tokens, from_draft, logprobs = generation.round(n, remaining)
+                for i, token in enumerate(tokens):
+                    consumed += 1
+                    generation.stats.generated += 1
+                    yield token, logprobs[i], i < from_draft
             if consumed == max_tokens or (tokens and tokens[-1] in generation.eos_set):
                 return
     finally:

@@ -4,6 +4,7 @@ the model drafter through the same interface, and the choice of the draft length
 from __future__ import annotations
 
 import importlib
+import itertools
 from pathlib import Path
 
 import mlx.core as mx
@@ -171,6 +172,55 @@ def test_lookup_that_never_matches_is_plain_decoding(target, greedy_reference) -
     tokens, _, stats = run(PROMPT, target, None, drafter=never, max_tokens=300)
     assert tokens == greedy_reference
     assert stats.drafted == 0 and stats.rounds == 300
+
+
+class Silent(Drafter):
+    """Never proposes anything (a lookup that never matches)."""
+
+    free = True
+
+    def propose(self, text, n, key) -> Draft:
+        return Draft(mx.array([], dtype=mx.uint32))
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_stretches_of_plain_steps_give_the_tokens_of_rounds_without_drafts(
+    target, temp, monkeypatch
+) -> None:
+    # Adaptive lengths run what drafting nothing costs as stretches of pipelined plain steps;
+    # each step draws with the keys of a round without drafts, so the text is the same.
+    sampler = make_sampler(temp=temp)
+    options = dict(sampler=sampler, key=mx.random.key(9), max_tokens=150, num_draft_tokens=4)
+    rounds, _, fixed = run(PROMPT, target, None, drafter=Silent(), **options)
+    stretched, flags, adaptive = run(
+        PROMPT, target, None, drafter=Silent(), adaptive=True, **options
+    )
+    assert stretched == rounds and not any(flags)
+    # One target call a token either way.
+    assert fixed.rounds == adaptive.rounds == 150 and adaptive.drafted == 0
+
+
+def test_a_stretch_stopped_early_leaves_the_prompt_and_yielded_tokens(
+    target, greedy_reference
+) -> None:
+    # Closed mid-stretch, and stopped by an EOS mid-stretch: the step built ahead of the read
+    # is taken back, and the caches continue plain decoding's text.
+    from mlx_lm.models.cache import make_prompt_cache
+
+    for stop in ("close", "eos"):
+        cache = make_prompt_cache(target)
+        eos = [greedy_reference[41]] if stop == "eos" else None
+        steps = speculative_generate_step(
+            mx.array(PROMPT), target, drafter=Silent(), adaptive=True, prompt_cache=cache,
+            max_tokens=300, eos_token_ids=eos,
+        )  # fmt: skip
+        tokens = [t for t, _, _ in itertools.islice(steps, 37 if stop == "close" else 300)]
+        steps.close()
+        assert tokens == greedy_reference[: len(tokens)]
+        assert {c.offset for c in cache} == {len(PROMPT) + len(tokens)}
+        more, _, _ = run([greedy_reference[len(tokens)]], target, None, drafter=Silent(),
+                         prompt_cache=cache, max_tokens=5)  # fmt: skip
+        assert more == greedy_reference[len(tokens) + 1 : len(tokens) + 6]
 
 
 @pytest.mark.parametrize("drafter", ["prompt-lookup", "model"])
@@ -372,9 +422,9 @@ def test_patch_with_prompt_lookup_speculates_without_a_draft_model(target, monke
     seen = []
     original = loop.Generation.round
 
-    def counted(self, remaining):
+    def counted(self, n, remaining):
         seen.append(type(self.drafter).__name__)
-        return original(self, remaining)
+        return original(self, n, remaining)
 
     monkeypatch.setattr(loop.Generation, "round", counted)
     patch_mlx_lm(prompt_lookup=True)

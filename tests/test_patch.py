@@ -222,8 +222,8 @@ def test_patched_mlx_lm_command_accepts_by_rejection_sampling(
     rounds = []
     original_round = loop.Generation.round
 
-    def counted_round(self, remaining):
-        out = original_round(self, remaining)
+    def counted_round(self, n, remaining):
+        out = original_round(self, n, remaining)
         rounds.append((self.rule.kind, self.lengths.most, out[1]))
         return out
 
