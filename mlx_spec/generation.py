@@ -123,6 +123,49 @@ def _drafter(
     )
 
 
+def make_quantizer(
+    prompt_cache: list[Any] | None,
+    target_layers: list[Any],
+    draft_layers: list[Any],
+    *,
+    kv_bits: int | None,
+    kv_group_size: int,
+    quantized_kv_start: int,
+) -> Callable[[list[Any]], None]:
+    """Makes the function that quantizes a model's caches after a call, as mlx-lm does.
+
+    mlx-lm swaps the quantized caches into the caller's ``prompt_cache`` list. The models use
+    their own lists here (the target's and the draft model's), so the quantizer copies them back
+    into ``prompt_cache`` after each swap: the caller's list always holds the live caches.
+
+    Args:
+        prompt_cache (list, optional): the caller's list, the target's caches then the draft
+            model's.
+        target_layers (list): the list of caches the target uses.
+        draft_layers (list): the list of caches the draft model uses (empty without one).
+        kv_bits (int, optional): bits of the quantized caches; ``None`` quantizes nothing.
+        kv_group_size (int): group size of the quantization.
+        quantized_kv_start (int): cache length from which to quantize.
+
+    Returns:
+        callable: takes one model's list of caches and swaps in quantized ones in place.
+    """
+    quantize = partial(
+        _lm_generate.maybe_quantize_kv_cache,
+        quantized_kv_start=quantized_kv_start,
+        kv_group_size=kv_group_size,
+        kv_bits=kv_bits,
+    )
+    if kv_bits is None or prompt_cache is None:
+        return quantize
+
+    def quantize_in_place(layers: list[Any]) -> None:
+        quantize(layers)
+        prompt_cache[:] = target_layers + draft_layers
+
+    return quantize_in_place
+
+
 def speculative_generate_step(
     prompt: mx.array,
     model: nn.Module,
@@ -273,11 +316,13 @@ def speculative_generate_step(
         key, drafter_key = mx.random.split(key)
         high, low = drafter_key.tolist()
         seed = high << 32 | low
-    quantize = partial(
-        _lm_generate.maybe_quantize_kv_cache,
-        quantized_kv_start=quantized_kv_start,
-        kv_group_size=kv_group_size,
+    quantize = make_quantizer(
+        prompt_cache,
+        target_cache,
+        chosen.cache.layers if isinstance(chosen, ModelDrafter) else [],
         kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
+        quantized_kv_start=quantized_kv_start,
     )
     text = Text(prompt.astype(mx.uint32), ids)
     target = Target(
@@ -298,7 +343,6 @@ def speculative_generate_step(
         eos,
         key,
         stats if stats is not None else SpeculativeStats(),
-        prompt_cache,
         group,
     )
     progress = prompt_progress_callback or (lambda *_: None)

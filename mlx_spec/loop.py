@@ -31,7 +31,7 @@ from . import kernels
 from .acceptance import check_next
 from .caches import ModelCache, decode_masks
 from .draft_length import MAX_DRAFT_TOKENS, DraftLength
-from .drafters import Draft, Drafter, DraftSetup, ModelDrafter, Text
+from .drafters import Draft, Drafter, DraftSetup, Text
 from .rules import Rule
 
 __all__ = ["Generation", "SpeculativeStats", "Target", "run", "vocab_size"]
@@ -186,7 +186,6 @@ class Generation:
         eos: list[int],
         key: mx.array | None,
         stats: SpeculativeStats,
-        prompt_cache: list[Any] | None = None,
         group: mx.distributed.Group | None = None,
     ) -> None:
         self.text = text
@@ -200,10 +199,6 @@ class Generation:
         self.fused = kernels.available()
         self.key = key
         self.stats = stats
-        self.prompt_cache = prompt_cache
-        self.layers = [target.cache.layers]
-        if isinstance(drafter, ModelDrafter):
-            self.layers.append(drafter.cache.layers)
         # On a group, adaptive lengths are chosen from rank 0's times, which every rank reads a
         # round late: each rank then makes the same target calls.
         self.group = group if lengths.adaptive else None
@@ -350,9 +345,6 @@ class Generation:
             self.target.feed(self.text.tokens(held, length))
         self.target.cache.forget()
         self.drafter.finish(self.text, length, feed)
-        if self.prompt_cache is not None:
-            # Quantization replaced some caches in the lists the models use: hand them back.
-            self.prompt_cache[:] = [c for layers in self.layers for c in layers]
 
 
 def run(

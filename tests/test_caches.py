@@ -210,6 +210,27 @@ def test_caches_hold_prompt_and_yielded_tokens_for_reuse(name: str) -> None:
     assert [t for t, _, _ in more] == reference[38:58]
 
 
+def test_prompt_cache_holds_the_quantized_caches_during_generation() -> None:
+    # mlx-lm swaps quantized caches into the caller's list as it generates; a caller that reads
+    # its list mid-generation (for its size, say) must see the live caches, not stale ones.
+    c = case("kv_bits")
+    cache = c["cache"](c["model"]) + c["cache"](c["draft"])
+    steps = speculative_generate_step(
+        mx.array(PROMPT),
+        c["model"],
+        c["draft"],
+        num_draft_tokens=3,
+        max_tokens=60,
+        prompt_cache=cache,
+        **c["options"],
+    )
+    before = list(itertools.islice(steps, 20))
+    assert {type(layer).__name__ for layer in cache} == {"KVCache"}
+    after = list(itertools.islice(steps, 30))  # past quantized_kv_start = 40
+    assert {type(layer).__name__ for layer in cache} == {"QuantizedKVCache"}
+    assert [t for t, _, _ in before + after] == plain("kv_bits")[:50]
+
+
 @pytest.mark.parametrize("name", ["qwen3_next", "gemma3"])
 def test_error_in_first_round_leaves_the_prompt_in_the_caches(name: str) -> None:
     c = case(name)
