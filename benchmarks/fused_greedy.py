@@ -41,7 +41,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_spec import accept_greedy, fused, read
-from mlx_spec.bench import time_cases, torch_greedy_peers
+
+from _common import time_cases, torch_greedy_peers
 
 ONE_BLOCK_SOURCE = r"""
 // Argmax of one row by the whole block, and whether the row holds a NaN (then the index is
