@@ -1,5 +1,5 @@
-"""``benchmarks/generation.py`` prints what it measured: the tables agree with the raw rows and
-their ratios divide the printed numbers as the columns say.
+"""``benchmarks/generation.py`` and ``benchmarks/proposal_cost.py`` print what they measured: the
+tables agree with the raw rows and their ratios divide the printed numbers as the columns say.
 The forced drafter of the replay comparison gives two targets the same acceptance. No timing is
 asserted."""
 
@@ -101,3 +101,17 @@ def test_forced_drafters_with_other_wrong_positions_part():
     first = forced_stats(tiny_llama(0), rng.random(44) >= 0.7)
     second = forced_stats(tiny_llama(7), rng.random(44) >= 0.7)
     assert first != second
+
+
+def test_proposal_cost_table():
+    proc = script("proposal_cost", "--contexts", "200", "3000", "--drafts", "2", "--rounds", "5")
+    assert proc.returncode == 0, proc.stderr
+    table = markdown_table(proc.stdout, "context")
+    assert [(r["context"], r["N"]) for r in table] == [("200", "2"), ("3000", "2")]
+    for row in table:
+        proposal, round_time = (
+            float(row["propose + update (us)"]),
+            float(row["round of the target (ms)"]),
+        )
+        share = float(row["proposal / round"].rstrip("%"))
+        assert abs(share - 100 * proposal * 1e-6 / (round_time * 1e-3)) <= 0.01
