@@ -43,7 +43,6 @@ Usage: ``python benchmarks/generation.py [--pair demo|random|16x2048|16x4096|hyb
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -257,7 +256,7 @@ def _progress(label: str) -> None:
     print(f"[{label}] ...", file=sys.stderr, flush=True)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def setup_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pair", choices=PAIRS, default="demo")
     parser.add_argument("--workload", choices=WORKLOADS, nargs="+", default=list(WORKLOADS))
@@ -272,56 +271,68 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="hybrid: the chance that the forced drafter's token is right (default: 0.75)",
     )
     parser.add_argument("--quick", action="store_true", help="N = 2, one prompt, 16 tokens")
-    parser.add_argument("--json", type=Path, help="write the machine, settings and raw rows here")
-    args = parser.parse_args(argv)
-    drafts = args.drafts or ([2] if args.quick else [1, 2, 4, 8])
-    prompts = args.prompts or (1 if args.quick else 4)
-    max_tokens = args.tokens or (16 if args.quick else 128)
+    parser.add_argument(
+        "--json", type=Path, help="the machine, settings and raw rows, written after each row"
+    )
+    return parser
 
-    pair = build_pair(args.pair, prompts)
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = setup_arg_parser().parse_args(argv)
+    settings = {
+        "workloads": args.workload,
+        "temps": args.temps,
+        "drafts": args.drafts or ([2] if args.quick else [1, 2, 4, 8]),
+        "adaptive_most": ADAPTIVE_MOST,
+        "prompts": args.prompts or (1 if args.quick else 4),
+        "max_tokens": args.tokens or (16 if args.quick else 128),
+        "forced_acceptance": args.forced_acceptance,
+    }
+    drafts, max_tokens = settings["drafts"], settings["max_tokens"]
+    pair = build_pair(args.pair, settings["prompts"])
     workloads = {k: pair.workloads[k] for k in args.workload}
     methods = bench.methods(pair.target, pair.draft, drafts, ADAPTIVE_MOST)
     if pair.twin is not None:
         # mlx-lm's loop refuses caches it cannot trim.
         methods = [m for m in methods if m.drafter != "mlx-lm"]
-    machine = bench.machine()
+    results: dict[str, Any] = {
+        "machine": bench.machine(),
+        "settings": settings,
+        "pair": describe(pair),
+        "rows": [],
+        "replay": [],
+    }
+
+    def keep(part: str) -> Callable[[dict[str, Any]], None]:
+        def add(row: dict[str, Any]) -> None:
+            results[part].append(row)
+            if args.json:
+                bench.write_json(results, args.json)
+
+        return add
+
+    if args.json:
+        bench.write_json(results, args.json)
+    m = results["machine"]
     print(
-        f"# generation: {machine['date']}, {machine['system']}, {machine['cpu_count']} cores, "
-        f"MLX {machine['mlx']} ({machine['device']}), mlx-lm {machine['mlx_lm']}; "
-        f"{describe(pair)}; {prompts} prompt(s) per workload x {max_tokens} tokens",
+        f"# generation: {m['date']}, {m['system']}, {m['cpu_count']} cores, MLX {m['mlx']} "
+        f"({m['device']}), mlx-lm {m['mlx_lm']}; {results['pair']}; {settings['prompts']} "
+        f"prompt(s) per workload x {max_tokens} tokens\n",
         flush=True,
     )
     bench.warm_up(methods, pair.warm, args.temps)
-    rows = bench.measure(methods, workloads, args.temps, max_tokens, progress=_progress)
+    rows = bench.measure(methods, workloads, args.temps, max_tokens, keep("rows"), _progress)
     print(bench.table(bench.summarize(rows)), flush=True)
-    replay: list[dict[str, Any]] = []
     if pair.twin is not None:
         every = [pair.warm, *(p for ps in workloads.values() for p in ps)]
         twins = replay_methods(pair, every, drafts, max_tokens, args.forced_acceptance)
         bench.warm_up(twins, pair.warm, [0.0])
-        replay = bench.measure(twins, workloads, [0.0], max_tokens, progress=_progress)
+        replay = bench.measure(twins, workloads, [0.0], max_tokens, keep("replay"), _progress)
         print(
-            f"\n## The replay's cost: temperature 0, a forced drafter right with probability "
+            "\n## The replay's cost: temperature 0, a forced drafter right with probability "
             f"{args.forced_acceptance}\n"
         )
         print(replay_table(bench.summarize(replay)))
-    results = {
-        "machine": machine,
-        "settings": {
-            "workloads": args.workload,
-            "temps": args.temps,
-            "drafts": drafts,
-            "adaptive_most": ADAPTIVE_MOST,
-            "prompts": prompts,
-            "max_tokens": max_tokens,
-            "forced_acceptance": args.forced_acceptance,
-        },
-        "pair": describe(pair),
-        "rows": rows,
-        "replay": replay,
-    }
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
     return results
 
 

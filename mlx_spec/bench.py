@@ -14,11 +14,13 @@ Needs mlx-lm (``pip install "mlx-spec[lm]"``).
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -341,3 +343,11 @@ def machine() -> dict[str, Any]:
         "mlx_lm": version("mlx-lm"),
         "device": str(mx.default_device()),
     }
+
+
+def write_json(data: dict[str, Any], path: Path) -> None:
+    """Writes ``data`` to ``path`` through a file beside it, so that ``path`` always holds a
+    whole JSON document: the last one written."""
+    partial = path.with_name(f"{path.name}.partial")
+    partial.write_text(json.dumps(data, indent=1))
+    partial.replace(path)

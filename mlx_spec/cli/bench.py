@@ -8,7 +8,6 @@ temperature 0 and 0.8 (:mod:`mlx_spec.bench`).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -89,14 +88,6 @@ def _prepare(out: Path) -> None:
         ) from None
 
 
-def _write_json(data: dict[str, Any], path: Path) -> None:
-    """Writes ``data`` to ``path`` through a file beside it, so that ``path`` always holds a
-    whole JSON document: the last one written."""
-    partial = path.with_name(f"{path.name}.partial")
-    partial.write_text(json.dumps(data, indent=1))
-    partial.replace(path)
-
-
 def _measure(out: Path, quick: bool, progress: Callable[[str], None]) -> dict[str, Any]:
     """Measures, writing ``results.json`` before the first measurement (the machine and the
     settings) and again after each row, so that a run that is interrupted or fails keeps what it
@@ -112,9 +103,9 @@ def _measure(out: Path, quick: bool, progress: Callable[[str], None]) -> dict[st
 
     def keep(row: dict[str, Any]) -> None:
         results["generation"].append(row)
-        _write_json(results, path)
+        bench.write_json(results, path)
 
-    _write_json(results, path)
+    bench.write_json(results, path)
     progress("loading the demo pair, warm-up")
     target, draft, tokenizer = bench.load_demo_pair()
     methods = bench.methods(target, draft, settings["drafts"])
