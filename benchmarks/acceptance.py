@@ -17,8 +17,8 @@ median latency (interleaved repeats, one run) of:
 - fused: where MLX runs on CUDA, mlx-spec's fused kernels (``fused=True``: greedy two launches,
   sampled one after the uniforms).
 
-The cases and their timing live in :mod:`mlx_spec.bench` (``mlx-spec bench`` runs them too, and
-plots them); this script adds the oracle.
+The cases and their timing live in ``benchmarks/_common.py`` (``overhead.py`` and
+``fused_greedy.py`` time them too); this script adds the oracle.
 
 Usage: ``python benchmarks/acceptance.py [--quick] [--vocabs V ...] [--drafts N ...] [--repeats R]
 [--oracle] [--json FILE]``.
@@ -35,7 +35,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from mlx_spec.bench import DRAFTS, VOCABS, acceptance_rows, acceptance_table
+from _common import DRAFTS, VOCABS, acceptance_rows, acceptance_table
 
 
 def _add_oracle(v: int, n: int, cases: dict) -> None:

@@ -40,7 +40,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_spec import accept_greedy, kernels, read
-from mlx_spec.bench import time_cases, torch_greedy_peers
+
+from _common import time_cases, torch_greedy_peers
 
 # The alternatives' CUDA (device functions), compiled after the shipped greedy header.
 ALTERNATIVES = (Path(__file__).parent / "fused_greedy.cuh").read_text(encoding="utf-8")

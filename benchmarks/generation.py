@@ -1,121 +1,339 @@
-"""Does speculation pay in generation? mlx-spec's loop against mlx-lm's and plain decoding.
+"""Does speculation pay in generation? Every method interleaved; first use and steady state.
 
-For temperatures 0, 0.7 and 1.0 and draft lengths N in {1, 2, 4}, on the same models, prompts
-and seeds, the mean tokens per round and the tokens per second of:
+Methods (:func:`mlx_spec.bench.methods`): plain decoding (mlx-lm's ``generate_step``), mlx-lm's
+speculative loop, and mlx-spec with the pair's draft model and with prompt lookup, each at every
+fixed ``N`` of ``--drafts`` and adaptive up to 8. After a warm-up on a prompt of its own, each
+method runs on every prompt twice in a row (:func:`mlx_spec.bench.measure`): the first run is its
+first use of that prompt's shapes (on MLX's CUDA backend each new shape of an attention call first
+builds a cuDNN graph), the second the steady state. The table gives the second run's tokens/s,
+the first run's time over the second's, tokens per round, acceptance, tokens fed again
+(``replayed``), and the ratios of tokens/s to plain decoding, to mlx-lm's loop at the same ``N``
+(draft model, fixed ``N``) and to the fastest fixed ``N`` of the same drafter (adaptive).
 
-- mlx-spec: :func:`mlx_spec.generation.speculative_generate_step` with
-  :func:`mlx_spec.sampling.make_sampler` (rejection sampling at temperature > 0);
-- mlx-lm: ``mlx_lm.generate.speculative_generate_step`` with mlx-lm's sampler (a draft token is
-  kept when the target's own sample equals it);
-- plain: ``mlx_lm.generate.generate_step`` (one target call per token).
+Pairs (``--pair``):
 
-Rounds of mlx-lm's loop are counted from its yields (one target token per round). Methods run
-interleaved prompt by prompt, after a warm-up, so load on the machine affects them alike; the
-table gives ratios measured in this one run. The measuring code is in :mod:`mlx_spec.bench`
-(``mlx-spec bench`` runs it too, and plots it).
+- ``demo``: the shipped pair (``mlx_spec/demo``: a trained 6 x 384 bfloat16 target and a
+  distilled 1 x 192 draft), on its input-grounded prompts (text that the output repeats) and its
+  open ones.
+- ``random``: a float32 llama 8 x 384, vocabulary 4096, whose first layer weighs most and whose
+  output layer is scaled up (peaked distributions, as a trained model's), and as draft that
+  target cut to its first layer.
+- ``16x2048``, ``16x4096``: the same recipe at the sizes of a GPU's models: 16 layers of 2048 or
+  4096, vocabulary 32000, bfloat16; the draft is the first layer.
+- ``hybrid``: a qwen3-next 8 x 384 (gated delta-net layers, whose recurrent caches are restored
+  and replayed after a rejection; every second layer attention), vocabulary 4096, the same
+  recipe; the draft is its first two layers (a qwen3-next needs one of each kind). mlx-lm's loop
+  refuses it (its caches cannot be trimmed), so it is left out. Then the cost of the replay:
+  the hybrid against an attention-only twin (a llama of the same width, depth, heads and MLP,
+  whose caches are trimmed), each with plain decoding and with a drafter that proposes the
+  target's own greedy tokens made wrong at fixed positions of the text (:class:`ForcedDrafter`,
+  ``--forced-acceptance``). At temperature 0 a target keeps exactly the right tokens before the
+  first wrong one, so both targets keep drafts at the same positions: the same acceptance
+  whatever their models. The second table sets each one's speedup over its own plain decoding
+  side by side.
 
-Models: the demo pair shipped in ``mlx_spec/demo`` (a trained 6-layer target and a distilled
-1-layer draft, vocabulary 4096), on its code and prose prompts. With ``--random-models``, the
-random-weight pair used before the demo pair existed: a float32 llama target whose first layer
-dominates the later ones and whose output layer is scaled up, so its distributions are peaked as
-a trained model's are, and as draft that target cut to its first layer; random prompts.
+The random pairs' workloads are random tokens: input-grounded, a segment of 32 shown twice and
+begun a third time; open, 32 tokens.
 
-Usage: ``python benchmarks/generation.py [--quick] [--tokens T] [--prompts P] [--drafts 1 2 4]
-[--random-models]``.
+Usage: ``python benchmarks/generation.py [--pair demo|random|16x2048|16x4096|hybrid]
+[--workload input-grounded open] [--temps 0 0.8] [--drafts 1 2 4 8] [--prompts P] [--tokens T]
+[--forced-acceptance A] [--quick] [--json PATH]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import platform
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map_with_path
-from mlx_lm.models import llama
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
 
-from mlx_spec.bench import PROMPTS, generation_rows, generation_table, load_demo_pair, warm_up
+from mlx_spec import bench
+from mlx_spec._demo import WARM_UP
+from mlx_spec.drafters import Draft, Drafter, DraftSetup, Text
 
-TEMPS = (0.0, 0.7, 1.0)
-DRAFTS = (1, 2, 4)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from tiny_models import cut, tiny_llama, tiny_qwen3_next
+
+PAIRS = ("demo", "random", "16x2048", "16x4096", "hybrid")
+WORKLOADS = ("input-grounded", "open")
+ADAPTIVE_MOST = 8
 
 
-def make_target(seed: int = 0, *, vocab: int = 4096, hidden: int = 384, layers: int = 8):
-    """A float32 llama: layer 0 scaled by 3, the later layers by 0.8, the output layer by 6."""
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        intermediate_size=4 * hidden,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=vocab,
-        tie_word_embeddings=False,
+@dataclass
+class Pair:
+    """A target, its draft model, and the prompts of each workload.
+
+    Attributes:
+        name (str): the ``--pair`` that built it.
+        target (nn.Module): the target.
+        draft (nn.Module): the draft model.
+        workloads (dict): workload name to ``[L]`` prompts.
+        warm (array): the warm-up's prompt, apart from the measured ones.
+        twin (nn.Module, optional): an attention-only model of the target's size (hybrid only).
+    """
+
+    name: str
+    target: nn.Module
+    draft: nn.Module
+    workloads: dict[str, list[mx.array]]
+    warm: mx.array
+    twin: nn.Module | None = None
+
+
+def _random_prompts(vocab: int, count: int) -> dict[str, list[mx.array]]:
+    """Input-grounded prompts (a segment of 32 random tokens twice, then its first 8) and open
+    ones (32 random tokens), from fixed keys."""
+    segments = [
+        mx.random.randint(1, vocab, (32,), key=mx.random.key(100 + i)) for i in range(count)
+    ]
+    return {
+        "input-grounded": [mx.concatenate([s, s, s[:8]]) for s in segments],
+        "open": [
+            mx.random.randint(1, vocab, (32,), key=mx.random.key(200 + i)) for i in range(count)
+        ],
+    }
+
+
+def _llama(layers: int, hidden: int, vocab: int, heads: int, intermediate: int) -> nn.Module:
+    """The random recipe: layer 0 scaled by 3, the later ones by 0.8, the output layer by 6."""
+    scales = (3.0,) + (0.8,) * (layers - 1)
+    return tiny_llama(
+        0,
+        vocab=vocab,
+        layers=layers,
+        scales=scales,
+        head=6.0,
+        heads=heads,
+        hidden=hidden,
+        intermediate=intermediate,
     )
-    mx.random.seed(seed)
-    model = llama.Model(args)
-
-    def scale(path: str, w: mx.array) -> mx.array:
-        parts = path.split(".")
-        if parts[:2] == ["model", "layers"] and "norm" not in path:
-            return w * (3.0 if parts[2] == "0" else 0.8)
-        return w * 6.0 if parts[0] == "lm_head" else w
-
-    model.update(tree_map_with_path(scale, model.parameters()))
-    mx.eval(model.parameters())
-    return model
 
 
-def cut(model, layers: int):
-    """``model`` keeping its first ``layers`` layers, embeddings and output layer."""
-    small = llama.Model(dataclasses.replace(model.args, num_hidden_layers=layers, layer_types=None))
-    small.load_weights(
-        [
-            (k, v)
-            for k, v in tree_flatten(model.parameters())
-            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers
-        ]
-    )
-    mx.eval(small.parameters())
-    return small
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="fewer prompts and tokens")
-    parser.add_argument("--tokens", type=int, default=None, help="tokens per generation")
-    parser.add_argument("--prompts", type=int, default=None, help="prompts per setting")
-    parser.add_argument("--drafts", type=int, nargs="+", default=DRAFTS, help="values of N")
-    parser.add_argument(
-        "--random-models", action="store_true", help="random-weight llamas, not the demo pair"
-    )
-    args = parser.parse_args()
-    max_tokens = args.tokens or (48 if args.quick else 128)
-    n_prompts = args.prompts or (2 if args.quick else 4)
-
-    if args.random_models:
-        target = make_target()
-        draft = cut(target, 1)
-        prompts = [
-            mx.random.randint(1, target.args.vocab_size, (24,), key=mx.random.key(100 + i))
-            for i in range(n_prompts)
-        ]
-        models = f"random float32 llamas: target {len(target.layers)} layers, draft 1 layer"
+def build_pair(name: str, prompts: int) -> Pair:
+    """The pair ``--pair name`` with ``prompts`` prompts per workload."""
+    if name == "demo":
+        target, draft, tokenizer = bench.load_demo_pair()
+        workloads = bench.demo_workloads(tokenizer, prompts)
+        return Pair(name, target, draft, workloads, mx.array(tokenizer.encode(WARM_UP)))
+    warm = mx.arange(1, 17)
+    if name == "hybrid":
+        target = tiny_qwen3_next(0, vocab=4096, layers=8, hidden=384, early=3.0, late=0.8, head=6.0)
+        twin = _llama(8, 384, 4096, heads=4, intermediate=2 * 384)
+        return Pair(name, target, cut(target, 2), _random_prompts(4096, prompts), warm, twin)
+    if name == "random":
+        target = _llama(8, 384, 4096, heads=6, intermediate=4 * 384)
     else:
-        target, draft, tokenizer = load_demo_pair()
-        prompts = [mx.array(tokenizer.encode(PROMPTS[i % len(PROMPTS)])) for i in range(n_prompts)]
-        models = "the shipped demo pair: target 6 x 384, draft 1 x 192, bfloat16"
-    warm_up(target, draft, prompts[0])
+        layers, hidden = map(int, name.split("x"))
+        target = _llama(layers, hidden, 32000, heads=32, intermediate=4 * hidden)
+        target.set_dtype(mx.bfloat16)
+        mx.eval(target.parameters())
+    return Pair(
+        name, target, cut(target, 1), _random_prompts(target.args.vocab_size, prompts), warm
+    )
 
+
+class ForcedDrafter(Drafter):
+    """Proposes the target's own greedy continuation, wrong where ``wrong`` says.
+
+    At temperature 0 the target keeps a draft token exactly when it is the target's greedy token
+    and every draft token before it in the round was kept; so two targets whose drafters share
+    ``wrong`` keep drafts at the same positions of their texts, whatever their models.
+
+    Args:
+        reference (list of int): the target's greedy tokens after the prompt.
+        wrong (sequence of bool): for each position after the prompt, whether to propose another
+            token than the reference's there.
+        vocab (int): the target's vocabulary (a wrong token is the next id).
+    """
+
+    free = True
+
+    def __init__(self, reference: list[int], wrong: Sequence[bool], vocab: int) -> None:
+        self.reference = reference
+        self.wrong = wrong
+        self.vocab = vocab
+        self._prompt = 0
+
+    def start(self, text: Text, setup: DraftSetup) -> None:
+        self._prompt = len(text)
+
+    def propose(self, text: Text, n: int, key: mx.array | None) -> Draft:
+        i = len(text) - self._prompt
+        right = self.reference[i : i + n]
+        tokens = [
+            (t + 1) % self.vocab if w else t for t, w in zip(right, self.wrong[i:], strict=False)
+        ]
+        return Draft(mx.array(tokens, dtype=mx.uint32))
+
+
+def forced(
+    target: nn.Module, prompts: Sequence[mx.array], length: int, wrong: Sequence[bool]
+) -> Callable[[mx.array], Drafter]:
+    """A function building the :class:`ForcedDrafter` of ``target`` for each of ``prompts``: their
+    ``length`` greedy tokens are computed here, before any timing."""
+    references = {
+        # The measured prompts are these very arrays.
+        id(p): [t for t, _ in generate_step(p, target, max_tokens=length)]
+        for p in prompts
+    }
+    vocab = target.args.vocab_size
+    return lambda prompt: ForcedDrafter(references[id(prompt)], wrong, vocab)
+
+
+def replay_methods(
+    pair: Pair,
+    prompts: Sequence[mx.array],
+    drafts: Sequence[int],
+    max_tokens: int,
+    acceptance: float,
+) -> list[bench.Method]:
+    """Plain decoding and the forced drafter at each ``N`` of ``drafts``, on the hybrid target and
+    on its twin, with the same wrong positions, for ``prompts``."""
+    length = max_tokens + max(drafts) + 1
+    wrong = np.random.default_rng(0).random(length) >= acceptance
+    out = []
+    for label, model in (("hybrid", pair.target), ("twin", pair.twin)):
+        drafter = forced(model, prompts, length, wrong)
+        out.append(replace(bench.plain(model), name=f"{label} plain", model=label))
+        out += [
+            replace(
+                bench.mlx_spec(model, n, drafter=drafter),
+                name=f"{label} forced N={n}",
+                drafter="forced",
+                model=label,
+            )
+            for n in drafts
+        ]
+    return out
+
+
+def replay_table(lines: Sequence[dict[str, Any]]) -> str:
+    """The hybrid's speedup over its plain decoding beside the twin's, per workload and ``N``, from
+    lines of :func:`mlx_spec.bench.summarize` of :func:`replay_methods`."""
+    out = [
+        "| workload | N | tok/round hybrid | tok/round twin | replayed / token | hybrid x plain "
+        "| twin x plain | hybrid / twin |",
+        "|---" * 8 + "|",
+    ]
+    rows = {(s["workload"], s["model"], s["n"]): s for s in lines if s["drafter"] == "forced"}
+    for (workload, model, n), h in rows.items():
+        if model != "hybrid":
+            continue
+        t = rows[workload, "twin", n]
+        out.append(
+            f"| {workload} | {n} | {h['tokens_per_round']:.2f} | {t['tokens_per_round']:.2f} | "
+            f"{h['replayed'] / h['generated']:.2f} | {h['x_plain']:.2f}x | {t['x_plain']:.2f}x | "
+            f"{h['x_plain'] / t['x_plain']:.2f}x |"
+        )
+    return "\n".join(out)
+
+
+def describe(pair: Pair) -> str:
+    """The pair's sizes, dtypes and vocabulary, read from its models."""
+
+    def size(model: nn.Module) -> str:
+        params = [p for _, p in tree_flatten(model.parameters())]
+        dtype = str(params[0].dtype).removeprefix("mlx.core.")
+        count = sum(p.size for p in params) / 1e6
+        return f"{len(model.layers)} x {model.args.hidden_size} ({count:.1f}M, {dtype})"
+
+    twin = f", twin {size(pair.twin)}" if pair.twin is not None else ""
+    return (
+        f"pair {pair.name}: target {size(pair.target)}, draft {size(pair.draft)}{twin}, "
+        f"V = {pair.target.args.vocab_size}"
+    )
+
+
+def _progress(label: str) -> None:
+    print(f"[{label}] ...", file=sys.stderr, flush=True)
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pair", choices=PAIRS, default="demo")
+    parser.add_argument("--workload", choices=WORKLOADS, nargs="+", default=list(WORKLOADS))
+    parser.add_argument("--temps", type=float, nargs="+", default=[0.0, 0.8])
+    parser.add_argument("--drafts", type=int, nargs="+", help="fixed N (default: 1 2 4 8)")
+    parser.add_argument("--prompts", type=int, help="prompts per workload (default: 4)")
+    parser.add_argument("--tokens", type=int, help="tokens per generation (default: 128)")
+    parser.add_argument(
+        "--forced-acceptance",
+        type=float,
+        default=0.75,
+        help="hybrid: the chance that the forced drafter's token is right (default: 0.75)",
+    )
+    parser.add_argument("--quick", action="store_true", help="N = 2, one prompt, 16 tokens")
+    parser.add_argument(
+        "--json", type=Path, help="the machine, settings and raw rows, written after each row"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = setup_arg_parser().parse_args(argv)
+    settings = {
+        "workloads": args.workload,
+        "temps": args.temps,
+        "drafts": args.drafts or ([2] if args.quick else [1, 2, 4, 8]),
+        "adaptive_most": ADAPTIVE_MOST,
+        "prompts": args.prompts or (1 if args.quick else 4),
+        "max_tokens": args.tokens or (16 if args.quick else 128),
+        "forced_acceptance": args.forced_acceptance,
+    }
+    drafts, max_tokens = settings["drafts"], settings["max_tokens"]
+    pair = build_pair(args.pair, settings["prompts"])
+    workloads = {k: pair.workloads[k] for k in args.workload}
+    methods = bench.methods(pair.target, pair.draft, drafts, ADAPTIVE_MOST)
+    if pair.twin is not None:
+        # mlx-lm's loop refuses caches it cannot trim.
+        methods = [m for m in methods if m.drafter != "mlx-lm"]
+    results: dict[str, Any] = {
+        "machine": bench.machine(),
+        "settings": settings,
+        "pair": describe(pair),
+        "rows": [],
+        "replay": [],
+    }
+
+    def keep(part: str) -> Callable[[dict[str, Any]], None]:
+        def add(row: dict[str, Any]) -> None:
+            results[part].append(row)
+            if args.json:
+                bench.write_json(results, args.json)
+
+        return add
+
+    if args.json:
+        bench.write_json(results, args.json)
+    m = results["machine"]
     print(
-        f"# generation: {platform.system()} {platform.machine()}, MLX {mx.__version__}, "
-        f"{mx.default_device()}; {models}, V = {target.args.vocab_size}; "
-        f"{n_prompts} prompt(s) x {max_tokens} tokens",
+        f"# generation: {m['date']}, {m['system']}, {m['cpu_count']} cores, MLX {m['mlx']} "
+        f"({m['device']}), mlx-lm {m['mlx_lm']}; {results['pair']}; {settings['prompts']} "
+        f"prompt(s) per workload x {max_tokens} tokens\n",
         flush=True,
     )
-    rows = generation_rows(target, draft, prompts, TEMPS, args.drafts, max_tokens)
-    print(generation_table(rows))
+    bench.warm_up(methods, pair.warm, args.temps)
+    rows = bench.measure(methods, workloads, args.temps, max_tokens, keep("rows"), _progress)
+    print(bench.table(bench.summarize(rows)), flush=True)
+    if pair.twin is not None:
+        every = [pair.warm, *(p for ps in workloads.values() for p in ps)]
+        twins = replay_methods(pair, every, drafts, max_tokens, args.forced_acceptance)
+        bench.warm_up(twins, pair.warm, [0.0])
+        replay = bench.measure(twins, workloads, [0.0], max_tokens, keep("replay"), _progress)
+        print(
+            "\n## The replay's cost: temperature 0, a forced drafter right with probability "
+            f"{args.forced_acceptance}\n"
+        )
+        print(replay_table(bench.summarize(replay)))
+    return results
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_spec import accept_greedy, kernels, read
-from mlx_spec.bench import acceptance_cases, time_cases, torch_greedy_peers
+
+from _common import acceptance_cases, time_cases, torch_greedy_peers
 
 V = 152064
 

@@ -18,4 +18,37 @@ PROMPTS = (
     "class Queue:\n    def __init__(self, maxsize=0):\n",
     "A module is a file containing Python definitions and statements.",
 )
-"""The prompts of the demo and the generation benchmark: code and prose, alternating."""
+"""The prompts of the demo, and the benchmark's open-generation workload: code and prose,
+alternating."""
+
+_CODE = """def read_config(path):
+    \"\"\"Read a configuration file into a dictionary.\"\"\"
+    config = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, value = line.split("=", 1)
+            config[key.strip()] = value.strip()
+    return config
+"""
+
+GROUNDED = (
+    f"{_CODE}\n\n{_CODE}\n\ndef read_config(path):\n   ",
+    "class Stack:\n    def push(self, item):\n        self._items.append(item)\n\n"
+    "    def pop(self):\n        return self._items.pop()\n\n"
+    "    def peek(self):\n        return self._items[-1]\n\n    def size(self):",
+    "NAMES = {\n    'a': 'alpha',\n    'b': 'beta',\n    'g': 'gamma',\n    'd': 'delta',\n"
+    "    'e': 'epsilon",
+    "import os\nimport re\nimport sys\nimport json\nimport time\nimport shutil\nimport string\n"
+    "import",
+)
+"""Input-grounded prompts of the benchmark: text that the target's output repeats. The demo
+target is too small to copy text reliably, but it follows the pattern of such prompts (a function
+shown twice and begun a third time, methods, a table, imports), and prompt lookup finds what it
+repeats. Each ends where the tokenizer would cut it (``"\\n   "`` is one token), not at a line
+end."""
+
+WARM_UP = "x = 1\n"
+"""The prompt the benchmark warms up on: none of the measured ones."""

@@ -1,23 +1,32 @@
 #!/usr/bin/env bash
-# The GPU machine's check (MLX's CUDA backend on an NVIDIA GPU): the whole test suite with the GPU
-# as MLX's default device (the fused kernels run in tests/test_fused.py, in the oracle property
-# tests and in the generation loop), in one pytest with several worker processes sharing the GPU
-# (pytest-xdist: on the GPU each new shape compiles its kernels at run time, on the CPU cores) and
-# a limit per test; then the kernel counts, the acceptance benchmark (with the fused kernels and
-# the PyTorch peer) at V = 152064, N = 4, 8, 16, one process per N (in one process the
-# configurations measured later read slower), MLX's cost per evaluation (benchmarks/overhead.py)
-# and the greedy kernels compared (benchmarks/fused_greedy.py). The tests' summary line comes last.
-# Where one call has a time limit, run the tests and the benchmarks in two calls (--no-bench, then
-# --bench-only).
+# The GPU machine's check (MLX's CUDA backend on an NVIDIA GPU), in three parts:
+# - tests: the whole test suite with the GPU as MLX's default device (the fused kernels run in
+#   tests/test_fused.py, in the oracle property tests and in the generation loop), in one pytest
+#   with several worker processes sharing the GPU (pytest-xdist: on the GPU each new shape compiles
+#   its kernels at run time, on the CPU cores) and a limit per test;
+# - bench: the kernel counts, the acceptance benchmark (with the fused kernels and the PyTorch
+#   peer) at V = 152064, N = 4, 8, 16, one process per N (in one process the configurations
+#   measured later read slower), MLX's cost per evaluation (benchmarks/overhead.py) and the greedy
+#   kernels compared (benchmarks/fused_greedy.py);
+# - generation: benchmarks/generation.py on the GPU pairs, one process each (first use and steady
+#   state of every method, interleaved): demo (both workloads), 16x2048 (open generation,
+#   temperature 0, 0.8 and 1), 16x4096 and hybrid (open generation, temperature 0 and 0.8; hybrid
+#   also the replay against its attention-only twin). Its JSON is written after each row, so a pair
+#   cut by its time limit keeps what it measured.
+# The tests' summary line comes last. Where one call has a time limit or returns few files, run the
+# parts in separate calls (--no-bench, --bench-only, --generation-only; --pair to split the pairs).
 # Run from the repo root with MLX's CUDA build importable (installed, or on PYTHONPATH, which the
 # script extends with the repo root).
-# Output: $OUT (or /tmp/gpu-check): tests.log (the verbose log), kernels.txt, acceptance.txt,
-# acceptance-N.json, overhead.txt, fused_greedy.txt.
-# Usage: bash scripts/gpu-check.sh [--no-bench | --bench-only] [--limit SECONDS] [--jobs J]
+# Output: $OUT (or /tmp/gpu-check): tests.log (the verbose log); kernels.txt, acceptance.txt,
+# acceptance-N.json, overhead.txt, fused_greedy.txt; generation.txt (the tables) and
+# generation-PAIR.json (the raw rows).
+# Usage: bash scripts/gpu-check.sh [--no-bench | --bench-only | --generation-only] [--pair PAIR]...
+#                                  [--limit SECONDS] [--pair-limit SECONDS] [--jobs J]
 #                                  [TEST_FILE ...]
 #   (no files: every tests/test_*.py; --limit: for the tests, default 480, and three quarters of it
 #   for one test, since the slowest, a hypothesis test of many small shapes, compiles a kernel for
-#   each; --jobs: worker processes, default 14)
+#   each; --jobs: worker processes, default 14; --pair: demo, 16x2048, 16x4096 or hybrid, default
+#   all four; --pair-limit: for each pair's generation benchmark, default 280)
 set -uo pipefail
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
@@ -25,11 +34,14 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # Kernels compiled at run time (NVRTC) are kept for the other workers and the benchmarks.
 export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx-cache}
 python3 -c "import mlx.core as mx; assert mx.default_device() == mx.gpu, mx.default_device(); print('MLX', mx.__version__, mx.default_device())" || exit 1
-bench=1 tests=1 limit=480 jobs=14 files=()
+tests=1 bench=1 generation=1 limit=480 pair_limit=280 jobs=14 files=() pairs=()
 while [ $# -gt 0 ]; do
   case "$1" in
-    --no-bench) bench=0 ;;
-    --bench-only) tests=0 ;;
+    --no-bench) bench=0 generation=0 ;;
+    --bench-only) tests=0 generation=0 ;;
+    --generation-only) tests=0 bench=0 ;;
+    --pair) pairs+=("$2"); shift ;;
+    --pair-limit) pair_limit=$2; shift ;;
     --limit) limit=$2; shift ;;
     --jobs) jobs=$2; shift ;;
     *) files+=("$1") ;;
@@ -37,6 +49,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 [ ${#files[@]} -eq 0 ] && files=(tests/test_*.py)
+[ ${#pairs[@]} -eq 0 ] && pairs=(demo 16x2048 16x4096 hybrid)
 
 if [ "$tests" = 1 ]; then
   workers=() per_test=()
@@ -60,6 +73,22 @@ if [ "$bench" = 1 ]; then
   done
   timeout 120 python3 benchmarks/overhead.py --drafts 4 8 16 2>&1 | tee "$out/overhead.txt"
   timeout 120 python3 benchmarks/fused_greedy.py 2>&1 | tee "$out/fused_greedy.txt"
+fi
+if [ "$generation" = 1 ]; then
+  declare -A options=(
+    [demo]=""
+    [16x2048]="--workload open --temps 0 0.8 1"
+    [16x4096]="--workload open"
+    [hybrid]="--workload open"
+  )
+  : > "$out/generation.txt"
+  for pair in "${pairs[@]}"; do
+    # shellcheck disable=SC2086  # the options are words
+    timeout "$pair_limit" python3 benchmarks/generation.py --pair "$pair" --prompts 2 --tokens 128 \
+      ${options[$pair]} --json "$out/generation-$pair.json" 2>/dev/null | tee -a "$out/generation.txt"
+    [ "${PIPESTATUS[0]}" = 124 ] && echo "(--pair $pair cut at ${pair_limit}s)" | tee -a "$out/generation.txt"
+    echo >> "$out/generation.txt"
+  done
 fi
 [ "$tests" = 1 ] && { echo; echo "$summary"; }
 exit 0

@@ -1,4 +1,4 @@
-"""``mlx_spec.bench`` measures what it labels: ``run_mlx_lm`` runs mlx-lm's own speculative loop,
+"""``mlx_spec.bench`` measures what it labels: ``bench.mlx_lm`` runs mlx-lm's own speculative loop,
 also while ``patch_mlx_lm()`` routes mlx-lm's through mlx-spec's.
 
 A tiny random llama drafts for itself at temperature 1, where the two loops part: rejection
@@ -19,7 +19,7 @@ import pytest
 from mlx_lm.models import llama
 
 import mlx_spec
-from mlx_spec.bench import run_mlx_lm
+from mlx_spec import bench
 from mlx_spec.generation import speculative_generate_step
 
 lm_generate = importlib.import_module("mlx_lm.generate")
@@ -46,13 +46,10 @@ def model() -> llama.Model:
     return namespace["model"]
 
 
-def counts(tally) -> tuple[int, int, int, int]:
-    return tally.tokens, tally.rounds, tally.drafted, tally.accepted
-
-
-def test_run_mlx_lm_ignores_the_loop_installed_in_mlx_lm(model, monkeypatch):
+def test_mlx_lm_ignores_the_loop_installed_in_mlx_lm(model, monkeypatch):
     prompt = mx.array([1, 2, 3, 4])
-    before = run_mlx_lm(prompt, model, model, 4, 1.0, 0, 40)
+    theirs = bench.mlx_lm(model, model, 4)
+    before = theirs.generate(prompt, 1.0, 0, 40)
     calls = []
 
     def installed(*args, **kwargs):
@@ -61,21 +58,21 @@ def test_run_mlx_lm_ignores_the_loop_installed_in_mlx_lm(model, monkeypatch):
 
     # What patch_mlx_lm() installs, counted.
     monkeypatch.setattr(lm_generate, "speculative_generate_step", installed)
-    during = run_mlx_lm(prompt, model, model, 4, 1.0, 0, 40)
+    during = theirs.generate(prompt, 1.0, 0, 40)
     assert not calls
-    assert counts(during) == counts(before)
+    assert during == before
 
 
-def test_run_mlx_lm_keeps_mlx_lms_rule_when_imported_after_the_patch():
+def test_mlx_lm_keeps_mlx_lms_rule_when_imported_after_the_patch():
     # A fresh interpreter, patched before mlx_spec.bench is imported: names that bench took from
     # mlx-lm at import would then be mlx-spec's loop and sampler (rejection sampling).
     source = MODEL + textwrap.dedent("""
         import mlx_spec
         mlx_spec.patch_mlx_lm()
-        from mlx_spec.bench import run_mlx_lm, run_mlx_spec
-        for run in (run_mlx_lm, run_mlx_spec):
-            tally = run(prompt, model, model, 4, 1.0, 0, 40)
-            print(tally.drafted, tally.accepted)
+        from mlx_spec import bench
+        for method in (bench.mlx_lm(model, model, 4), bench.mlx_spec(model, 4, draft=model)):
+            stats = method.generate(prompt, 1.0, 0, 40)
+            print(stats.drafted, stats.accepted)
     """)
     package = str(Path(mlx_spec.__file__).resolve().parents[1])
     run = subprocess.run(

@@ -1,18 +1,24 @@
 """The PyTorch peer of the GPU benchmarks makes the same greedy decisions as ``accept_greedy``.
 
 The benchmarks compare mlx-spec's verification step with the same acceptance written the way
-vLLM writes it in PyTorch (``mlx_spec.bench.torch_greedy_peers``); a peer that decided otherwise
-would be timing something else. Here it runs on PyTorch's CPU device (skipped without PyTorch).
+vLLM writes it in PyTorch (``torch_greedy_peers`` in ``benchmarks/_common.py``); a peer that
+decided otherwise would be timing something else. Here it runs on PyTorch's CPU device (skipped
+without PyTorch).
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlx_spec import accept_greedy, read
-from mlx_spec.bench import torch_greedy_peers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _common import torch_greedy_peers
 
 pytest.importorskip("torch")
 

@@ -2,7 +2,7 @@
 
 Each subcommand runs on the shipped demo pair (no download) and its output is checked for what
 it claims: the counts agree with each other, greedy speculation prints the target's own greedy
-text, a seed reproduces a run, the benchmark writes valid JSON and PNG files. Each error is one
+text, a seed reproduces a run, the benchmark's JSON and table agree. Each error is one
 line on stderr with exit status 2 and no traceback. No timing is asserted.
 """
 
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from helpers import assert_generation_table
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten
@@ -30,7 +31,6 @@ import mlx_spec
 
 DEMO = Path(mlx_spec.__file__).resolve().parent / "demo"
 TARGET, DRAFT = str(DEMO / "target"), str(DEMO / "draft")
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def mlx_spec_cmd(*args: str, env: dict | None = None, timeout: float = 300):
@@ -101,7 +101,7 @@ def test_help_lists_the_subcommands():
                 "--ignore-chat-template",
             ],
         ),
-        ("bench", ["--out", "--quick", "results.json", "generation.png"]),
+        ("bench", ["--out", "--quick", "results.json", "prompt lookup", "adaptive"]),
     ],
 )
 def test_help_of_each_subcommand_names_its_options(command, options):
@@ -524,7 +524,7 @@ def test_interrupted_bench_keeps_what_it_measured(tmp_path):
     )
     try:
         deadline = time.monotonic() + 240
-        while not (results.exists() and json.loads(results.read_text())["acceptance"]):
+        while not (results.exists() and json.loads(results.read_text())["generation"]):
             assert proc.poll() is None and time.monotonic() < deadline, "no row was written"
             time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
@@ -535,7 +535,8 @@ def test_interrupted_bench_keeps_what_it_measured(tmp_path):
     assert "Traceback" not in stderr
     kept = json.loads(results.read_text())
     assert kept["settings"]["quick"] is True
-    assert kept["acceptance"][0]["V"] == 32000 and kept["acceptance"][0]["greedy"] > 0
+    first = kept["generation"][0]
+    assert first["workload"] == "input-grounded" and first["tokens_per_second"] > 0
 
 
 def test_a_message_of_several_lines_is_printed_as_one(capsys):
@@ -707,37 +708,33 @@ def test_marker_colours_runs_of_draft_tokens(monkeypatch):
 # -- bench -------------------------------------------------------------------------------------
 
 
-def test_bench_quick_writes_results_and_plots(tmp_path):
+def test_bench_quick_writes_results_and_a_consistent_table(tmp_path):
     out = tmp_path / "bench"
     proc = mlx_spec_cmd("bench", "--quick", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     results = json.loads((out / "results.json").read_text())
-    assert results["settings"]["quick"] is True
+    settings, rows = results["settings"], results["generation"]
+    assert settings["quick"] is True
     assert {"date", "system", "mlx", "mlx_lm", "device"} <= set(results["machine"])
-    acceptance = results["acceptance"]
-    assert sorted(r["V"] for r in acceptance) == [32000, 152064, 262144]
-    for row in acceptance:
-        for case in ("floor bf16", "greedy", "mlx-lm greedy", "sampled q", "mlx-lm sampled"):
-            assert row[case] > 0
-    generation = results["generation"]
-    settings = results["settings"]["generation"]
-    assert len(generation) == len(settings["temps"]) * len(settings["num_draft_tokens"])
-    tokens = len(settings["prompts"]) * settings["max_tokens"]
-    for row in generation:
-        for method in ("mlx-spec", "mlx-lm", "plain"):
-            assert row[method]["tokens"] == tokens
-            assert row[method]["rounds"] <= tokens
-        assert row["plain"]["rounds"] == tokens
-        generations = len(settings["prompts"])
-        assert_drafted(row["mlx-spec"]["drafted"], row["N"], row["mlx-spec"]["rounds"], generations)
-        if row["temp"] == 0:
-            assert row["mlx-spec"]["rounds"] == row["mlx-lm"]["rounds"]
-    for name in ("acceptance.png", "generation.png"):
-        data = (out / name).read_bytes()
-        assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000, name
-    assert "speedup" in proc.stdout and "tok/round mlx-spec" in proc.stdout
+    names = ["plain", "mlx-lm N=2", "draft N=2", "draft adaptive", "lookup N=2", "lookup adaptive"]
+    assert [r["name"] for r in rows[: 2 * len(names) : 2]] == names
+    assert len(rows) == 2 * len(settings["temps"]) * len(names) * 2  # workloads, phases
+    tokens = settings["prompts"] * settings["max_tokens"]
+    for row in rows:
+        assert row["generated"] == tokens and row["rounds"] <= tokens
+        if row["drafter"] == "plain":
+            assert row["rounds"] == tokens
+        elif row["adaptive"] or row["drafter"] == "lookup":
+            assert row["drafted"] <= row["n"] * row["rounds"]
+        else:
+            assert_drafted(row["drafted"], row["n"], row["rounds"], settings["prompts"])
+    by = {(r["workload"], r["temp"], r["name"], r["phase"]): r for r in rows}
+    for (workload, temp, name, phase), row in by.items():
+        if temp == 0 and name == "draft N=2":  # the same drafts, kept alike
+            assert row["rounds"] == by[workload, temp, "mlx-lm N=2", phase]["rounds"]
+    assert_generation_table(proc.stdout, rows)
     assert str(out / "results.json") in proc.stdout
-    assert re.search(r"\] \d+/\d+ acceptance", proc.stderr), proc.stderr
+    assert re.search(r"\] \d+/\d+ input-grounded, temperature 0.0", proc.stderr), proc.stderr
 
 
 # -- fuzzing -----------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Each builder makes a real mlx-lm model class with float32 weights drawn from a seed and scaled so
 that its text is varied and its distributions peaked, as a trained model's are. Layers after the
 first two weigh ``late`` times as much as those, so :func:`cut` to two layers makes a draft that
-agrees with the model on most tokens.
+agrees with the model on most tokens. The llama and qwen3-next builders also take a width, for the
+larger random pairs of ``benchmarks/generation.py``.
 
 - :func:`tiny_llama`: attention only (``KVCache``).
 - :func:`tiny_qwen2`: attention only, without a ``make_cache`` of its own.
@@ -47,14 +48,16 @@ def tiny_llama(
     scales: tuple[float, ...] = (3.0, 1.5),
     head: float = 8.0,
     heads: int = 4,
+    hidden: int = 64,
+    intermediate: int = 128,
 ) -> llama.Model:
     """A llama whose layer ``i``'s matrices are scaled by ``scales[i]`` and whose (untied) output
-    layer is scaled by ``head``; ``heads`` attention heads over 64 dimensions."""
+    layer is scaled by ``head``; ``heads`` attention heads over ``hidden`` dimensions."""
     args = llama.ModelArgs(
         model_type="llama",
-        hidden_size=64,
+        hidden_size=hidden,
         num_hidden_layers=layers,
-        intermediate_size=128,
+        intermediate_size=intermediate,
         num_attention_heads=heads,
         num_key_value_heads=2,
         rms_norm_eps=1e-5,
@@ -84,19 +87,29 @@ def tiny_qwen2(seed: int, *, vocab: int = 256, layers: int = 2, head: float = 8.
 
 
 def tiny_qwen3_next(
-    seed: int, *, vocab: int = 256, layers: int = 4, head: float = 4.0, late: float = 0.5
+    seed: int,
+    *,
+    vocab: int = 256,
+    layers: int = 4,
+    head: float = 4.0,
+    late: float = 0.5,
+    early: float = 1.0,
+    hidden: int = 64,
 ):
-    """A qwen3-next hybrid: gated delta-net layers, every second layer full attention."""
+    """A qwen3-next hybrid: gated delta-net layers, every second layer full attention. The first
+    two layers' matrices are scaled by ``early``, the later ones' by ``late``, the output layer by
+    ``head``; four heads (two key heads in the delta-net layers) of ``hidden // 4`` dimensions."""
+    width = hidden // 4
     args = qwen3_next.ModelArgs(
         model_type="qwen3_next",
-        hidden_size=64,
+        hidden_size=hidden,
         num_hidden_layers=layers,
-        intermediate_size=128,
+        intermediate_size=2 * hidden,
         num_attention_heads=4,
         linear_num_value_heads=4,
         linear_num_key_heads=2,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
+        linear_key_head_dim=width,
+        linear_value_head_dim=width,
         linear_conv_kernel_dim=4,
         num_experts=0,
         num_experts_per_tok=0,
@@ -110,11 +123,11 @@ def tiny_qwen3_next(
         rope_theta=10000.0,
         partial_rotary_factor=0.5,
         max_position_embeddings=4096,
-        head_dim=16,
+        head_dim=width,
         full_attention_interval=2,
     )
     mx.random.seed(seed)
-    return _scaled(qwen3_next.Model(args), lambda i: 1.0 if i < 2 else late, head)
+    return _scaled(qwen3_next.Model(args), lambda i: early if i < 2 else late, head)
 
 
 def tiny_lfm2(

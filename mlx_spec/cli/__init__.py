@@ -5,12 +5,12 @@
   decoding and mlx-spec.
 - ``mlx-spec generate --model M (--draft-model D | --prompt-lookup) --prompt P`` (:mod:`.generate`):
   any mlx-lm model, streamed, with the speculation's counts at the end.
-- ``mlx-spec bench [--out DIR] [--quick]`` (:mod:`.bench`): the acceptance and generation
-  benchmarks, written to ``results.json`` and two PNG plots.
+- ``mlx-spec bench [--out DIR] [--quick]`` (:mod:`.bench`): generation on the shipped pair,
+  every method interleaved, as a table and ``results.json``.
 
 Each command module has its own parser (``setup_arg_parser``) and ``main``. Errors are one line on
-stderr saying what to do, with exit status 2. mlx-lm (and matplotlib for ``bench``) is imported
-only once the arguments are checked, so ``--help`` and bad options answer at once.
+stderr saying what to do, with exit status 2. mlx-lm is imported only once the arguments are
+checked, so ``--help`` and bad options answer at once.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ._common import Parser, run
 COMMANDS = {
     "demo": "see speculative decoding on the shipped model pair (no download)",
     "generate": "generate with any mlx-lm model pair",
-    "bench": "run the benchmarks: results.json, PNG plots and tables",
+    "bench": "measure generation on the shipped pair: a table and results.json",
 }
 """Each command's name (its module here) and its line in ``mlx-spec --help``."""
 

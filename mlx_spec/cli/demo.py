@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .._demo import DEMO_DIR, PROMPTS
+from .._demo import DEMO_DIR, PROMPTS, WARM_UP
 from ._common import (
     DRAFT_TOKENS_WHY,
     MAX_DRAFT_TOKENS,
@@ -119,10 +119,10 @@ def _demo(args: argparse.Namespace) -> int:
         f"trained on Python's own docs and source (shipped in {DEMO_DIR}). "
         f"MLX {mx.__version__} on {mx.default_device()}."
     )
-    bench.warm_up(target, draft, prompts[0][2])
+    bench.warm_up(_compared(bench, target, draft, 2), mx.array(tokenizer.encode(WARM_UP)), TEMPS)
     if args.num_draft_tokens is None:
         calibration = [mx.array(tokenizer.encode(p)) for p in PROMPTS[len(SHOWN) :]]
-        n, speeds = bench.choose_num_draft_tokens(target, draft, calibration, TEMPS)
+        n, speeds = _fastest_n(bench, target, draft, calibration)
         measured = ", ".join(f"N={k}: {v:.0f}" for k, v in speeds.items())
         print(
             f"\nN = {n} draft tokens per round, the fastest measured here on two other prompts "
@@ -165,7 +165,8 @@ def _demo(args: argparse.Namespace) -> int:
         f"\nMeasuring: {len(prompts)} prompts x 2 seeds x {args.max_tokens} tokens per method "
         "and temperature, methods interleaved ..."
     )
-    rows = _rows(bench, target, draft, [p for _, _, p in prompts], n, args)
+    compared = _compared(bench, target, draft, n)
+    rows = _rows(bench, compared, [p for _, _, p in prompts], args)
     print()
     print(_table(rows, n))
     print(
@@ -196,23 +197,44 @@ def _dtypes(*models: Any) -> str:
     return ", ".join(sorted(names))
 
 
+def _fastest_n(bench: Any, target: Any, draft: Any, prompts: list[Any]) -> tuple[int, dict]:
+    """The draft length of 1 to 3 whose mlx-spec generates the most tokens per second here, on
+    every prompt at each temperature (seed 100, 24 tokens), interleaved; and each one's tokens/s."""
+    totals = {n: bench.Timed() for n in (1, 2, 3)}
+    for prompt in prompts:
+        for temp in TEMPS:
+            for n in totals:
+                totals[n] += bench.run(
+                    bench.mlx_spec(target, n, draft=draft), prompt, temp, 100, 24
+                )
+    speeds = {n: t.tokens_per_second for n, t in totals.items()}
+    return max(speeds, key=speeds.__getitem__), speeds
+
+
+def _compared(bench: Any, target: Any, draft: Any, n: int) -> list[Any]:
+    """Plain decoding, mlx-lm's speculative decoding and mlx-spec at ``n`` draft tokens."""
+    return [
+        bench.plain(target),
+        bench.mlx_lm(target, draft, n),
+        bench.mlx_spec(target, n, draft=draft),
+    ]
+
+
 def _rows(
-    bench: Any, target: Any, draft: Any, prompts: list[Any], n: int, args: argparse.Namespace
+    bench: Any, compared: list[Any], prompts: list[Any], args: argparse.Namespace
 ) -> list[tuple[float, str, Any]]:
+    """Plain decoding, mlx-lm's speculative decoding and mlx-spec (``compared``, in that order),
+    interleaved over the prompts, each twice with another seed, at each temperature."""
+    names = ("plain decoding (mlx-lm generate_step)", "mlx-lm speculative decoding", "mlx-spec")
     rows = []
     for temp in TEMPS:
-        plain, theirs, ours = bench.Tally(), bench.Tally(), bench.Tally()
+        totals = [bench.Timed() for _ in compared]
         for i, prompt in enumerate(prompts * 2):
             # MLX takes 64-bit seeds: the ones after the largest wrap around to 0.
             run_seed = (args.seed + i) & SEED_MAX
-            plain += bench.run_plain(prompt, target, temp, run_seed, args.max_tokens)
-            theirs += bench.run_mlx_lm(prompt, target, draft, n, temp, run_seed, args.max_tokens)
-            ours += bench.run_mlx_spec(prompt, target, draft, n, temp, run_seed, args.max_tokens)
-        rows += [
-            (temp, "plain decoding (mlx-lm generate_step)", plain),
-            (temp, "mlx-lm speculative decoding", theirs),
-            (temp, "mlx-spec", ours),
-        ]
+            for k, method in enumerate(compared):
+                totals[k] += bench.run(method, prompt, temp, run_seed, args.max_tokens)
+        rows += [(temp, name, total) for name, total in zip(names, totals, strict=True)]
     return rows
 
 
@@ -223,9 +245,10 @@ def _table(rows: list[tuple[float, str, Any]], n: int) -> str:
     ]
     plain_tps = {temp: t.tokens_per_second for temp, name, t in rows if name.startswith("plain")}
     for temp, name, t in rows:
-        rate = "-" if t.acceptance_rate is None else f"{t.acceptance_rate:.1%}"
+        rate = f"{t.stats.acceptance_rate:.1%}" if t.stats.drafted else "-"
         lines.append(
             f"| {temp:.1f} | {name} | {t.tokens_per_second:.1f} | "
-            f"{t.tokens_per_second / plain_tps[temp]:.2f}x | {t.tokens_per_round:.2f} | {rate} |"
+            f"{t.tokens_per_second / plain_tps[temp]:.2f}x | {t.stats.tokens_per_round:.2f} | "
+            f"{rate} |"
         )
     return "\n".join(lines)

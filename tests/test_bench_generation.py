@@ -1,0 +1,117 @@
+"""``benchmarks/generation.py`` and ``benchmarks/proposal_cost.py`` print what they measured: the
+tables agree with the raw rows and their ratios divide the printed numbers as the columns say.
+The forced drafter of the replay comparison gives two targets the same acceptance. No timing is
+asserted."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import assert_generation_table, assert_ratio, markdown_table
+from tiny_models import tiny_llama
+
+from mlx_spec.generation import SpeculativeStats, speculative_generate_step
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def script(name: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Runs ``python benchmarks/<name>.py *args``."""
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / f"{name}.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_generation_quick_on_the_demo_pair(tmp_path):
+    out = tmp_path / "rows.json"
+    proc = script("generation", "--pair", "demo", "--quick", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(out.read_text())
+    rows = results["rows"]
+    names = ["plain", "mlx-lm N=2", "draft N=2", "draft adaptive", "lookup N=2", "lookup adaptive"]
+    assert sorted({r["name"] for r in rows}) == sorted(names)
+    assert len(rows) == 2 * 2 * len(names) * 2  # workloads, temperatures, phases
+    assert all(r["generated"] == 16 for r in rows)
+    assert_generation_table(proc.stdout, rows)
+    assert results["replay"] == []
+
+
+@pytest.mark.slow
+def test_generation_quick_on_the_hybrid_pair_compares_the_replay(tmp_path):
+    out = tmp_path / "rows.json"
+    args = ("--pair", "hybrid", "--quick", "--workload", "open", "--temps", "0", "--json", str(out))
+    proc = script("generation", *args)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(out.read_text())
+    assert not any(r["drafter"] == "mlx-lm" for r in results["rows"])  # it refuses hybrids
+    assert_generation_table(proc.stdout, results["rows"])
+    (line,) = markdown_table(proc.stdout, "workload | N")
+    assert_ratio(
+        line["hybrid / twin"], float(line["hybrid x plain"][:-1]), float(line["twin x plain"][:-1])
+    )
+    replayed = [r for r in results["replay"] if r["model"] == "hybrid" and r["drafter"] == "forced"]
+    assert all(r["replayed"] > 0 for r in replayed)
+
+
+@functools.cache
+def generation_script():
+    """``benchmarks/generation.py`` as a module."""
+    spec = importlib.util.spec_from_file_location(
+        "benchmark_generation", BENCHMARKS / "generation.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def forced_stats(model, wrong) -> SpeculativeStats:
+    """Greedy speculation with ``N = 3`` and the forced drafter of ``model`` for ``wrong``."""
+    prompt = mx.array([1, 2, 3, 4, 5])
+    drafter = generation_script().forced(model, [prompt], 44, wrong)(prompt)
+    stats = SpeculativeStats()
+    for _ in speculative_generate_step(
+        prompt, model, num_draft_tokens=3, max_tokens=40, drafter=drafter, stats=stats
+    ):
+        pass
+    return stats
+
+
+def test_forced_drafter_gives_two_targets_the_same_acceptance():
+    wrong = np.random.default_rng(0).random(44) >= 0.7
+    first, second = (forced_stats(tiny_llama(seed), wrong) for seed in (0, 7))
+    assert first == second
+    assert 0 < first.accepted < first.drafted
+
+
+def test_forced_drafters_with_other_wrong_positions_part():
+    # The control: the same targets, wrong at other positions, keep other drafts.
+    rng = np.random.default_rng(0)
+    first = forced_stats(tiny_llama(0), rng.random(44) >= 0.7)
+    second = forced_stats(tiny_llama(7), rng.random(44) >= 0.7)
+    assert first != second
+
+
+def test_proposal_cost_table():
+    proc = script("proposal_cost", "--contexts", "200", "3000", "--drafts", "2", "--rounds", "5")
+    assert proc.returncode == 0, proc.stderr
+    table = markdown_table(proc.stdout, "context")
+    assert [(r["context"], r["N"]) for r in table] == [("200", "2"), ("3000", "2")]
+    for row in table:
+        proposal, round_time = (
+            float(row["propose + update (us)"]),
+            float(row["round of the target (ms)"]),
+        )
+        share = float(row["proposal / round"].rstrip("%"))
+        assert abs(share - 100 * proposal * 1e-6 / (round_time * 1e-3)) <= 0.01
