@@ -1,32 +1,39 @@
 #!/usr/bin/env bash
-# The GPU machine's check (MLX's CUDA backend on an NVIDIA GPU), in three parts:
+# The GPU machine's check (MLX's CUDA backend on an NVIDIA GPU), in four parts:
 # - tests: the whole test suite with the GPU as MLX's default device (the fused kernels run in
 #   tests/test_fused.py, in the oracle property tests and in the generation loop), in one pytest
 #   with several worker processes sharing the GPU (pytest-xdist: on the GPU each new shape compiles
 #   its kernels at run time, on the CPU cores) and a limit per test;
 # - bench: the kernel counts, the acceptance benchmark (with the fused kernels and the PyTorch
 #   peer) at V = 152064, N = 4, 8, 16, one process per N (in one process the configurations
-#   measured later read slower), MLX's cost per evaluation (benchmarks/overhead.py) and the greedy
-#   kernels compared (benchmarks/fused_greedy.py);
+#   measured later read slower), MLX's cost per evaluation (benchmarks/overhead.py), the greedy
+#   kernels compared (benchmarks/fused_greedy.py) and verification-sized attention with and
+#   without cuDNN (benchmarks/cuda_attention.py);
 # - generation: benchmarks/generation.py on the GPU pairs, one process each (first use and steady
 #   state of every method, interleaved): demo (both workloads), 16x2048 (open generation,
-#   temperature 0, 0.8 and 1), 16x4096 and hybrid (open generation, temperature 0 and 0.8; hybrid
+#   temperature 0 and 1), 16x4096 and hybrid (open generation, temperature 0 and 0.8; hybrid
 #   also the replay against its attention-only twin). Its JSON is written after each row, so a pair
-#   cut by its time limit keeps what it measured.
+#   cut by its time limit keeps what it measured. MLX's own attention kernel, as `mlx-spec
+#   generate` chooses, unless MLX_CUDA_USE_CUDNN_SDPA is set;
+# - distributed (with 2 GPUs or more): benchmarks/distributed.py on the 16x2048 pair, the target
+#   split over 2 GPUs (NCCL) against the whole target on one.
 # The tests' summary line comes last. Where one call has a time limit or returns few files, run the
-# parts in separate calls (--no-bench, --bench-only, --generation-only; --pair to split the pairs).
+# parts in separate calls (--no-bench, --bench-only, --generation-only, --distributed-only; --pair
+# to split the pairs).
 # Run from the repo root with MLX's CUDA build importable (installed, or on PYTHONPATH, which the
 # script extends with the repo root).
 # Output: $OUT (or /tmp/gpu-check): tests.log (the verbose log); kernels.txt, acceptance.txt,
-# acceptance-N.json, overhead.txt, fused_greedy.txt; generation.txt (the tables) and
-# generation-PAIR.json (the raw rows).
-# Usage: bash scripts/gpu-check.sh [--no-bench | --bench-only | --generation-only] [--pair PAIR]...
+# acceptance-N.json, overhead.txt, fused_greedy.txt, attention.txt; generation.txt (the tables)
+# and generation-PAIR.json (the raw rows); distributed.txt and distributed.json.
+# Usage: bash scripts/gpu-check.sh [--no-bench | --bench-only | --generation-only
+#                                   | --distributed-only] [--pair PAIR]...
 #                                  [--limit SECONDS] [--pair-limit SECONDS] [--jobs J]
 #                                  [TEST_FILE ...]
 #   (no files: every tests/test_*.py; --limit: for the tests, default 480, and three quarters of it
 #   for one test, since the slowest, a hypothesis test of many small shapes, compiles a kernel for
 #   each; --jobs: worker processes, default 14; --pair: demo, 16x2048, 16x4096 or hybrid, default
-#   all four; --pair-limit: for each pair's generation benchmark, default 280)
+#   all four; --pair-limit: for each pair's generation benchmark and for the distributed one,
+#   default 280)
 set -uo pipefail
 out=${OUT:-/tmp/gpu-check}
 mkdir -p "$out"
@@ -34,12 +41,13 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 # Kernels compiled at run time (NVRTC) are kept for the other workers and the benchmarks.
 export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx-cache}
 python3 -c "import mlx.core as mx; assert mx.default_device() == mx.gpu, mx.default_device(); print('MLX', mx.__version__, mx.default_device())" || exit 1
-tests=1 bench=1 generation=1 limit=480 pair_limit=280 jobs=14 files=() pairs=()
+tests=1 bench=1 generation=1 distributed=1 limit=480 pair_limit=280 jobs=14 files=() pairs=()
 while [ $# -gt 0 ]; do
   case "$1" in
-    --no-bench) bench=0 generation=0 ;;
-    --bench-only) tests=0 generation=0 ;;
-    --generation-only) tests=0 bench=0 ;;
+    --no-bench) bench=0 generation=0 distributed=0 ;;
+    --bench-only) tests=0 generation=0 distributed=0 ;;
+    --generation-only) tests=0 bench=0 distributed=0 ;;
+    --distributed-only) tests=0 bench=0 generation=0 ;;
     --pair) pairs+=("$2"); shift ;;
     --pair-limit) pair_limit=$2; shift ;;
     --limit) limit=$2; shift ;;
@@ -73,11 +81,15 @@ if [ "$bench" = 1 ]; then
   done
   timeout 120 python3 benchmarks/overhead.py --drafts 4 8 16 2>&1 | tee "$out/overhead.txt"
   timeout 120 python3 benchmarks/fused_greedy.py 2>&1 | tee "$out/fused_greedy.txt"
+  timeout 120 python3 benchmarks/cuda_attention.py 2>&1 | tee "$out/attention.txt"
 fi
+# cuDNN builds an attention graph for each new shape of a verification: the first use of every
+# cache length would measure graph builds (benchmarks/cuda_attention.py shows both).
+export MLX_CUDA_USE_CUDNN_SDPA=${MLX_CUDA_USE_CUDNN_SDPA:-0}
 if [ "$generation" = 1 ]; then
   declare -A options=(
     [demo]=""
-    [16x2048]="--workload open --temps 0 0.8 1"
+    [16x2048]="--workload open --temps 0 1"
     [16x4096]="--workload open"
     [hybrid]="--workload open"
   )
@@ -89,6 +101,19 @@ if [ "$generation" = 1 ]; then
     [ "${PIPESTATUS[0]}" = 124 ] && echo "(--pair $pair cut at ${pair_limit}s)" | tee -a "$out/generation.txt"
     echo >> "$out/generation.txt"
   done
+fi
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
+if [ "$distributed" = 1 ] && [ "$gpus" -ge 2 ]; then
+  launch=(mlx.launch)
+  # MLX's launcher, also where its console script is not on PATH.
+  command -v mlx.launch > /dev/null || launch=(python3 -c \
+    "import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = 'mlx.launch'; main()")
+  # NVLink multicast (NVLS) stays off: the lent machines do not support it.
+  timeout "$pair_limit" "${launch[@]}" --backend nccl -n 2 --env NCCL_NVLS_ENABLE=0 \
+    --env PYTHONPATH="$PYTHONPATH" --env MLX_CUDA_USE_CUDNN_SDPA="$MLX_CUDA_USE_CUDNN_SDPA" \
+    --env MLX_PTX_CACHE_DIR="$MLX_PTX_CACHE_DIR" -- python3 benchmarks/distributed.py \
+    --pair 16x2048 --whole --workload open --json "$out/distributed.json" 2>/dev/null \
+    | tee "$out/distributed.txt"
 fi
 [ "$tests" = 1 ] && { echo; echo "$summary"; }
 exit 0
