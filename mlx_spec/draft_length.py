@@ -19,9 +19,11 @@ choice keeps estimates of both and takes the ``N`` that maximises ``E(N) / cost(
   well-kept drafts pay.
 
 Exploration keeps both estimates alive: every few rounds the choice drafts one token more or fewer
-than its best, so consecutive rounds differ; and when drafting does not pay, the loop still asks a
+than its best, so consecutive rounds differ; when drafting does not pay, it drafts the most and
+one token in turn (a pair far apart, which measures the slope again); and the loop still asks a
 free drafter (prompt lookup) for a proposal and checks it against the token the target emits,
-which measures its acceptance without verifying it.
+which measures its acceptance without verifying it. The first rounds draft the most and one token
+in turn, until the slope is measured.
 
 A target whose caches are restored after a rejection (recurrent layers) feeds again, in the next
 call, everything since its last fully kept round; the choice counts that future cost too, and a
@@ -86,6 +88,8 @@ class DraftLength:
         # Seconds a token of the recent stretches of plain steps (see mlx_spec.loop).
         self._plain: deque[float] = deque(maxlen=_PLAIN_WINDOW)
         self._count = 0
+        # Draft tokens tested so far (verified, or checked against the emitted text).
+        self._shadowed = 0
 
     @property
     def acceptance(self) -> float:
@@ -123,13 +127,14 @@ class DraftLength:
         if top == 0:
             return 0
         if self._slope is None:
-            if self.stretches and self._rounds and self.acceptance < 0.5:
+            if self.stretches and self._rounds and (self._shadowed == 0 or self.acceptance < 0.5):
                 # A drafter that proposed nothing yet (prompt lookup before any match): plain
-                # steps, while its proposals checked against the text raise its acceptance.
+                # steps, until its proposals checked against the text show it would be kept.
                 if not any(drafted for _, drafted, _ in self._rounds):
                     return 0
-            # Until a pair of rounds of different lengths is measured: the most, one fewer, ...
-            return top - len(self._rounds) % 2
+            # Until a pair of rounds of different lengths is measured: the most, then one, ...
+            # (lengths far apart measure the slope above the noise of a round's time).
+            return top if len(self._rounds) % 2 == 0 else 1
         if self.stretches and (not self._plain or self._count % _REMEASURE == 0):
             # A stretch of plain steps, to measure (again) what drafting must beat.
             return 0
@@ -149,9 +154,15 @@ class DraftLength:
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = n, rate
         if self._count % _EXPLORE_EVERY == 0:
-            step = 1 if (self._count // _EXPLORE_EVERY) % 2 else -1
-            if best in (0, top):
-                step = 1 if best == 0 else -1
+            odd = (self._count // _EXPLORE_EVERY) % 2
+            if best == 0:
+                # Drafting does not pay: rounds of the most and of one token, alternately, are
+                # consecutive among the rounds (plain steps are not rounds), so each new pair
+                # measures the slope again, far apart.
+                return top if odd else 1
+            step = 1 if odd else -1
+            if best == top:
+                step = -1
             best = min(max(best + step, 0), top)
         return best
 
@@ -193,6 +204,7 @@ class DraftLength:
     def shadow(self, accepted: int, tested: int) -> None:
         """Counts ``tested`` draft tokens of which the first ``accepted`` were kept, the rest not
         reached after a rejection (also for a proposal checked against the emitted text)."""
+        self._shadowed += tested
         failures = 1 if accepted < tested else 0
         self._kept = self._kept * _ACCEPT_DECAY + accepted
         self._tested = self._tested * _ACCEPT_DECAY + accepted + failures

@@ -40,7 +40,10 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 StreamLike = mx.Stream | mx.ThreadLocalStream | mx.Device
 
 #: Plain steps a stretch runs before the draft length is chosen again (when drafting does not pay).
+#: Consecutive stretches double up to LONGEST_STRETCH while a free drafter's proposals all miss:
+#: each stretch starts its pipeline anew, and its first step waits for nothing in flight.
 STRETCH = 8
+LONGEST_STRETCH = 64
 
 _NONE = Draft(mx.array([], dtype=mx.uint32))
 
@@ -203,6 +206,8 @@ class Generation:
         # round late: each rank then makes the same target calls.
         self.group = group if lengths.adaptive else None
         self._unrecorded: tuple[int, int, int, int] | None = None
+        #: The plain steps of the next stretch (see :meth:`stretch`).
+        self.next_stretch = STRETCH
         self._microseconds = 0
 
     def plan(self, remaining: int) -> int:
@@ -234,6 +239,7 @@ class Generation:
             them came from the draft, and the ``[N + 1, V]`` log-probabilities (lazy).
         """
         start = time.perf_counter()
+        self.next_stretch = STRETCH
         length = len(self.text)
         pending = length - self.target.cache.length
         draft_key = verify_key = None
@@ -288,7 +294,8 @@ class Generation:
 
         Each step draws its token as a round without drafts would (the same keys), so the text
         is the one rounds would give. A free drafter's proposals are still checked against the
-        tokens (its acceptance, measured without verifying it).
+        tokens (its acceptance, measured without verifying it); unless one of them was right, the
+        next stretch is twice as long (see :data:`LONGEST_STRETCH`).
 
         Yields:
             tuple[int, array]: each token and its ``[V]`` log-probabilities (lazy); the stretch
@@ -298,7 +305,7 @@ class Generation:
         held = self.target.cache.length
         self.stats.replayed += len(self.text) - held - 1
         context = self.text.array()
-        made = 0
+        made = hits = 0
         step = self._plain_step(self.text.tokens(held), context)
         while step is not None:
             result, logprobs = step
@@ -314,6 +321,7 @@ class Generation:
             check_next("speculative_generate_step", token)
             self.text.extend([token])
             if guess.size:
+                hits += values[3] == token
                 self.lengths.shadow(int(values[3] == token), 1)
             self.stats.rounds += 1
             yield token, logprobs[0]
@@ -322,6 +330,7 @@ class Generation:
             step = ahead
         self.drafter.update(self.text, 0)
         self.lengths.record_plain((time.perf_counter() - start) / made)
+        self.next_stretch = STRETCH if hits else min(2 * self.next_stretch, LONGEST_STRETCH)
 
     def _plain_step(self, inputs: mx.array, context: mx.array) -> tuple[mx.array, mx.array]:
         """The lazy ``[3]`` result and ``[1, V]`` log-probabilities of one plain step, started."""
@@ -371,7 +380,7 @@ def run(
             with mx.stream(stream):
                 n = generation.plan(remaining)
             if n == 0 and generation.stretches:
-                steps = generation.stretch(min(STRETCH, remaining))
+                steps = generation.stretch(min(generation.next_stretch, remaining))
                 tokens: list[int] = []
                 while True:
                     with mx.stream(stream):
