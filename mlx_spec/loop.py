@@ -316,13 +316,15 @@ class Generation:
                 context = mx.concatenate([context, result[1:2]])
                 ahead = self._plain_step(result[1:2], context)
             guess = self.drafter.propose(self.text, 1, None) if self.drafter.free else _NONE
-            values = mx.concatenate([result, guess.tokens]).tolist()  # the step's one read
-            token = values[1]
+            # The step's one read, of the result alone: a new op on it (a concatenation, say)
+            # would queue behind the step ahead, and the read would wait for both.
+            token = result.tolist()[1]
             check_next("speculative_generate_step", token)
             self.text.extend([token])
             if guess.size:
-                hits += values[3] == token
-                self.lengths.shadow(int(values[3] == token), 1)
+                right = guess.tokens.tolist()[0] == token
+                hits += right
+                self.lengths.shadow(int(right), 1)
             self.stats.rounds += 1
             yield token, logprobs[0]
             if token in self.eos_set:
