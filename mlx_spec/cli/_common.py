@@ -1,6 +1,6 @@
 """What the commands share: the parser, option values, and turning a failure into one line.
 
-Nothing here imports MLX or mlx-lm, so ``--help`` and a bad option answer at once.
+Nothing here imports mlx-lm, so ``--help`` and a bad option answer at once.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from .._checks import KV_BITS
 from ..draft_length import MAX_DRAFT_TOKENS
 
 
@@ -162,18 +163,39 @@ def fraction(text: str) -> float:
     return value
 
 
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {shown(text)}") from None
+
+
 def integer(least: int, most: int | None = None, why: str = "") -> Callable[[str], int]:
     """A parser of integers in ``[least, most]`` (``most=None``: no upper bound); ``why``
     follows the range in its error."""
     bound = f">= {least}" if most is None else f"in [{least}, {most}]"
 
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {shown(text)}") from None
+        value = _integer(text)
         if value < least or (most is not None and value > most):
             raise argparse.ArgumentTypeError(f"must be {bound}{why}, got {shown(text)}")
+        return value
+
+    return parse
+
+
+def listing(values: Sequence[int]) -> str:
+    """``2, 3 or 4``: ``values`` as a help text or an error lists them."""
+    return f"{', '.join(map(str, values[:-1]))} or {values[-1]}"
+
+
+def one_of(values: Sequence[int]) -> Callable[[str], int]:
+    """A parser of the integers in ``values``."""
+
+    def parse(text: str) -> int:
+        value = _integer(text)
+        if value not in values:
+            raise argparse.ArgumentTypeError(f"must be {listing(values)}, got {shown(text)}")
         return value
 
     return parse
@@ -182,3 +204,4 @@ def integer(least: int, most: int | None = None, why: str = "") -> Callable[[str
 max_tokens = integer(1, MAX_TOKENS)
 num_draft_tokens = integer(1, MAX_DRAFT_TOKENS, " (see --help for why)")
 seed = integer(0, SEED_MAX)
+kv_bits = one_of(KV_BITS)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .._checks import KV_BITS
 from ._common import (
     DRAFT_TOKENS_WHY,
     MAX_DRAFT_TOKENS,
@@ -22,6 +23,8 @@ from ._common import (
     Parser,
     fraction,
     integer,
+    kv_bits,
+    listing,
     max_tokens,
     num_draft_tokens,
     prefer_mlx_attention,
@@ -113,9 +116,9 @@ def setup_arg_parser() -> Parser:
     )
     parser.add_argument(
         "--kv-bits",
-        type=integer(2, 8),
+        type=kv_bits,
         default=None,
-        help="quantize the caches to this many bits (2, 3, 4, 5, 6 or 8; mlx-lm's option)",
+        help=f"quantize the caches to this many bits, {listing(KV_BITS)} (mlx-lm's option)",
     )
     parser.add_argument(
         "--pipeline",
