@@ -109,8 +109,8 @@ def _drop_output() -> None:
 MAX_TOKENS = 1_000_000
 """The most ``--max-tokens`` takes: a bound that catches typos such as ``-m 1000000000``."""
 DRAFT_TOKENS_WHY = (  # for help texts, which argparse %-formats
-    "each draft token costs a draft pass, and a round yields on average fewer than 1 / (1 - a) "
-    "tokens for an acceptance rate a: 20 at 95%%"
+    "a round yields on average fewer than 1 / (1 - a) tokens for an acceptance rate a, 20 at "
+    "95%%, while each draft token costs a scored position and, with a draft model, a draft step"
 )
 SEED_MAX = 2**64 - 1
 """The largest seed: MLX's random seeds and keys are 64-bit."""

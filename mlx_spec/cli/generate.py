@@ -86,14 +86,15 @@ def setup_arg_parser() -> Parser:
         default=8,
         help=(
             f"the most draft tokens a round, 1 to {MAX_DRAFT_TOKENS} ({DRAFT_TOKENS_WHY}); each "
-            "round drafts the number that pays most, measured as it runs, unless --fixed "
+            "round asks for the number that pays most, measured as it runs, unless --fixed; "
+            "prompt lookup proposes fewer where its match ends sooner, and none without a match "
             "(default: 8)"
         ),
     )
     parser.add_argument(
         "--fixed",
         action="store_true",
-        help="draft exactly --num-draft-tokens every round (mlx-lm's behaviour)",
+        help="ask for --num-draft-tokens every round (mlx-lm's behaviour)",
     )
     parser.add_argument(
         "--max-tokens",
