@@ -36,8 +36,6 @@ def run(
     parser: argparse.ArgumentParser,
     body: Callable[[argparse.Namespace], int],
     argv: Sequence[str] | None,
-    *,
-    extra: str = "lm",
 ) -> int:
     """Parses ``argv`` with ``parser`` and runs ``body`` on the result.
 
@@ -45,8 +43,6 @@ def run(
         parser (ArgumentParser): the command's parser; its ``prog`` starts each error line.
         body (callable): the command, given the parsed arguments; returns the exit status.
         argv (sequence of str, optional): the arguments. Default: ``sys.argv[1:]``.
-        extra (str, optional): the pip extra that installs what ``body`` imports. Default:
-            ``"lm"``.
 
     Returns:
         int: ``body``'s exit status; 2 after a one-line error on stderr (a :class:`CliError`, or
@@ -63,7 +59,7 @@ def run(
         _error(parser.prog, str(error))
         return 2
     except ImportError as error:
-        _error(parser.prog, f"{error}; install it with pip install 'mlx-spec[{extra}]'")
+        _error(parser.prog, f"{error}; install it with pip install 'mlx-spec[lm]'")
         return 2
     except KeyboardInterrupt:
         print(file=sys.stderr)
