@@ -19,6 +19,12 @@ cannot vmap custom kernels). An argument of the wrong rank, dtype, shape, length
 ``ValueError`` before any work, naming the op and the argument.
 """
 
+# Past 400 lines, as one module on purpose: greedy and sampled acceptance share the result's
+# layout, the EOS cut, the invalid-row flag, the small graph helpers and the compiled or fused
+# dispatch, and read() is their one reader. The two-level draw of `next` (_draw_residual) is the
+# only part that could stand alone, and it needs the same helpers: a module of its own would
+# spread one idea over three.
+
 from __future__ import annotations
 
 import math
