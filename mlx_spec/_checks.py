@@ -35,6 +35,10 @@ INVALID_ROW = 1 << 31
 #: dtype, and still flags a row that sums to 0.98 or 1.02.
 MASS_TOLERANCE = 2.0**-6
 
+#: The bits a quantized cache may have: mlx-lm passes ``kv_bits`` on to ``mx.quantize``, and these
+#: are the widths from 2 up that it takes.
+KV_BITS = (2, 3, 4, 5, 6, 8)
+
 
 def describe(a: mx.array) -> str:
     """``shape (2, 5) and dtype float32``, for error messages."""
@@ -212,9 +216,10 @@ def check_processors(op: str, processors: object) -> list[Callable[..., Any]]:
 
 
 def check_kv_bits(op: str, kv_bits: object, kv_group_size: object, start: object) -> None:
-    if kv_bits is not None and (not is_int(kv_bits) or kv_bits not in (2, 3, 4, 5, 6, 8)):
+    if kv_bits is not None and (not is_int(kv_bits) or kv_bits not in KV_BITS):
         raise ValueError(
-            f"{op}: `kv_bits` must be None or one of 2, 3, 4, 5, 6, 8, got {kv_bits!r}"
+            f"{op}: `kv_bits` must be None or one of {', '.join(map(str, KV_BITS))}, "
+            f"got {kv_bits!r}"
         )
     if not is_int(kv_group_size) or kv_group_size not in (32, 64, 128):
         raise ValueError(f"{op}: `kv_group_size` must be 32, 64 or 128, got {kv_group_size!r}")

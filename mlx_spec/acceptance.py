@@ -10,7 +10,20 @@ functions here decide how many draft tokens to keep and which token comes next, 
 - ``eos_hit``: 1 if an accepted draft token or ``next`` is an end-of-sequence id.
 
 Nothing here reads the device: :func:`read` evaluates the result, one small host read per step.
+
+Both ops take two keywords: ``stream``, where to run, and ``fused``, which makes the same decisions
+in the CUDA kernels of :mod:`mlx_spec.kernels` instead of the composition of MLX ops. The kernels
+run where :func:`mlx_spec.kernels.available` holds for the stream, and not under ``mx.vmap`` (MLX
+cannot vmap custom kernels). An argument of the wrong rank, dtype, shape, length or type, a
+``stream`` this MLX cannot run on, or ``fused=True`` where the kernels cannot run raises
+``ValueError`` before any work, naming the op and the argument.
 """
+
+# Past 400 lines, as one module on purpose: greedy and sampled acceptance share the result's
+# layout, the EOS cut, the invalid-row flag, the small graph helpers and the compiled or fused
+# dispatch, and read() is their one reader. The two-level draw of `next` (_draw_residual) is the
+# only part that could stand alone, and it needs the same helpers: a module of its own would
+# spread one idea over three.
 
 from __future__ import annotations
 
@@ -179,21 +192,14 @@ def accept_greedy(
             ``[0, V)`` is rejected.
         eos (array, optional): ``[E]`` uint32 or int32 end-of-sequence ids; ``None`` or empty
             for none. Default: ``None``.
-        fused (bool, optional): make the decisions in two fused CUDA kernel launches (compiled
-            once per shape) instead of the composition of MLX ops (same result). Needs MLX's CUDA
-            backend and a GPU stream; not under ``mx.vmap`` (MLX cannot vmap custom kernels).
-            Default: ``False``.
+        fused (bool, optional): decide in two fused kernel launches (compiled once per shape),
+            with the same result. Default: ``False``.
         stream (Stream, Device or DeviceType, optional): where to run. Default: the default
             stream.
 
     Returns:
-        array: lazy ``[3]`` uint32 ``[accepted, next, eos_hit]``; read it with :func:`read`, which
-        raises if row ``accepted`` has no finite maximum.
-
-    Raises:
-        ValueError: an argument has the wrong rank, dtype, length or type (``fused`` not a
-            bool, ``stream`` not a stream or device this MLX can run on), or ``fused=True``
-            where the kernel cannot run; the message names it.
+        array: the lazy ``[3]`` result; :func:`read` raises if row ``accepted`` has no finite
+        maximum.
     """
     op = "accept_greedy"
     n, _ = check_rows(op, "logits", logits)
@@ -406,22 +412,15 @@ def accept_sampled(
         eos (array, optional): ``[E]`` uint32 or int32 end-of-sequence ids; ``None`` or empty
             for none.
         key (array): ``[2]`` uint32 key from ``mx.random.key``.
-        fused (bool, optional): make the decisions in one fused CUDA kernel launch (after the
-            uniforms) instead of the composition of MLX ops: the same result, up to the
-            rounding of sums in the draw of ``next``. Needs MLX's CUDA backend, a GPU stream
-            and ``V <= 2**24``; not under ``mx.vmap`` (MLX cannot vmap custom kernels).
-            Default: ``False``.
+        fused (bool, optional): decide in one fused kernel launch after the uniforms, with the
+            same result up to the rounding of sums in the draw of ``next``; only for
+            ``V <= 2**24``. Default: ``False``.
         stream (Stream, Device or DeviceType, optional): where to run. Default: the default
             stream.
 
     Returns:
-        array: lazy ``[3]`` uint32 ``[accepted, next, eos_hit]``; read it with :func:`read`, which
-        raises if position ``accepted`` failed a check above.
-
-    Raises:
-        ValueError: an argument has the wrong rank, dtype, shape, length or type (``fused`` not
-            a bool, ``stream`` not a stream or device this MLX can run on), or ``fused=True``
-            where the kernel cannot run; the message names it.
+        array: the lazy ``[3]`` result; :func:`read` raises if position ``accepted`` failed a
+        check above.
     """
     op = "accept_sampled"
     n, v = check_rows(op, "probs", probs)

@@ -343,6 +343,7 @@ def speculative_generate_step(
         eos,
         key,
         stats if stats is not None else SpeculativeStats(),
+        stream,
         group,
     )
     progress = prompt_progress_callback or (lambda *_: None)

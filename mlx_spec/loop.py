@@ -189,6 +189,7 @@ class Generation:
         eos: list[int],
         key: mx.array | None,
         stats: SpeculativeStats,
+        stream: StreamLike,
         group: mx.distributed.Group | None = None,
     ) -> None:
         self.text = text
@@ -198,8 +199,9 @@ class Generation:
         self.lengths = lengths
         self.eos_set = set(eos)
         self.eos_array = mx.array(eos, dtype=mx.uint32) if eos else None
-        # The fused kernels where MLX runs on CUDA (the loop never vmaps).
-        self.fused = kernels.available()
+        # The fused kernels where the loop's stream is on a CUDA GPU (the loop never vmaps). The
+        # default device would not do: a CPU stream on a CUDA machine cannot run them.
+        self.fused = kernels.available(stream if isinstance(stream, mx.Device) else stream.device)
         self.key = key
         self.stats = stats
         # On a group, adaptive lengths are chosen from rank 0's times, which every rank reads a

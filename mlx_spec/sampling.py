@@ -4,8 +4,12 @@
 :class:`SpecSampler`: a drop-in mlx-lm sampler (log-probabilities in, tokens out) that also gives
 the exact distribution it draws from, :meth:`SpecSampler.probs`, which rejection sampling needs.
 
-Each filter is a pure function from ``[..., V]`` log-probabilities to a ``[..., V]`` bool mask of
-the tokens it keeps. Filters run on the temperature-1 log-probabilities in mlx-lm's order (top-p,
+Each filter (:func:`top_p_mask`, :func:`min_p_mask`, :func:`top_k_mask`) is a pure function from
+``[..., V]`` float32, float16 or bfloat16 log-probabilities (``-inf`` marks an impossible token) to
+a lazy ``[..., V]`` bool mask, True for the tokens it keeps, with a keyword-only ``stream`` that
+says where to run. A ``logprobs`` without a last axis or of another dtype, a parameter outside the
+range its filter gives, or a ``stream`` that is not a stream or device raises ``ValueError`` naming
+the argument. Filters run on the temperature-1 log-probabilities in mlx-lm's order (top-p,
 min-p, top-k), each on the output of the previous one with filtered tokens at ``-inf``; the
 temperature scales what is left. Every step is the same float arithmetic as mlx-lm's, so the kept
 set, including its ties, is identical, and so is the distribution, except on the rows where
@@ -69,18 +73,13 @@ def top_p_mask(logprobs: mx.array, top_p: float, *, stream: StreamOrDevice = Non
     kept as well. ``top_p`` of 0 or 1 turns the filter off, as in mlx-lm.
 
     Args:
-        logprobs (array): ``[..., V]`` float32, float16 or bfloat16 log-probabilities; ``-inf``
-            marks an impossible token.
+        logprobs (array): ``[..., V]`` log-probabilities.
         top_p (float): the kept mass, in ``[0, 1]``.
         stream (Stream, Device or DeviceType, optional): where to run. Default: the default
             stream.
 
     Returns:
-        array: ``[..., V]`` bool, True for the kept tokens.
-
-    Raises:
-        ValueError: ``logprobs`` has no last axis or a non-float dtype, ``top_p`` is outside
-            ``[0, 1]`` or ``stream`` is not a stream or device; the message names the argument.
+        array: the ``[..., V]`` bool mask.
     """
     _check_logprobs("top_p_mask", logprobs)
     _check_fraction("top_p_mask", "top_p", top_p)
@@ -113,19 +112,14 @@ def min_p_mask(
     broken as mlx-lm breaks them, by ``mx.argpartition``). ``min_p`` of 0 keeps every token.
 
     Args:
-        logprobs (array): ``[..., V]`` float32, float16 or bfloat16 log-probabilities.
+        logprobs (array): ``[..., V]`` log-probabilities.
         min_p (float): the kept probability relative to the most likely token, in ``[0, 1]``.
         min_tokens_to_keep (int): at least 1; values above ``V`` keep every token. Default: 1.
         stream (Stream, Device or DeviceType, optional): where to run. Default: the default
             stream.
 
     Returns:
-        array: ``[..., V]`` bool, True for the kept tokens.
-
-    Raises:
-        ValueError: ``logprobs`` has no last axis or a non-float dtype, ``min_p`` is outside
-            ``[0, 1]``, ``min_tokens_to_keep`` < 1 or ``stream`` is not a stream or device; the
-            message names the argument.
+        array: the ``[..., V]`` bool mask.
     """
     _check_logprobs("min_p_mask", logprobs)
     _check_fraction("min_p_mask", "min_p", min_p)
@@ -151,18 +145,13 @@ def top_k_mask(logprobs: mx.array, top_k: int, *, stream: StreamOrDevice = None)
     least ``V``, keeps every token (mlx-lm raises for ``top_k >= V``).
 
     Args:
-        logprobs (array): ``[..., V]`` float32, float16 or bfloat16 log-probabilities.
+        logprobs (array): ``[..., V]`` log-probabilities.
         top_k (int): how many tokens to keep, >= 0.
         stream (Stream, Device or DeviceType, optional): where to run. Default: the default
             stream.
 
     Returns:
-        array: ``[..., V]`` bool, True for the kept tokens.
-
-    Raises:
-        ValueError: ``logprobs`` has no last axis or a non-float dtype, ``top_k`` is not an
-            integer >= 0 or ``stream`` is not a stream or device; the message names the
-            argument.
+        array: the ``[..., V]`` bool mask.
     """
     _check_logprobs("top_k_mask", logprobs)
     _check_count("top_k_mask", "top_k", top_k, 0)

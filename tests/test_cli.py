@@ -264,8 +264,27 @@ def test_kv_bits_and_max_kv_size_reach_the_loop():
     model, tokenizer = load(TARGET)
     expected = mlx_lm_generate(model, tokenizer, prompt, max_tokens=24, kv_bits=8, max_kv_size=64)
     assert generated_text(proc.stdout) == expected
-    # The loop's own check answers, so the options reached it.
-    assert_one_line_error(generate("--kv-bits", "7"), "`kv_bits` must be None or one of")
+
+
+def test_kv_bits_reaches_the_loop(tmp_path):
+    # The demo pair quantizes only past mlx-lm's 5000-token start, so its text cannot show that
+    # --kv-bits got through; the loop's refusal to quantize a sliding-window cache can.
+    from tiny_models import save_model_folder, tiny_gemma3
+
+    folder = tmp_path / "gemma3"
+    save_model_folder(tiny_gemma3(0, vocab=4096), folder, tokenizer_from=Path(TARGET))
+    proc = mlx_spec_cmd(
+        "generate", "--model", str(folder), "--prompt-lookup", "--prompt", "x", "--kv-bits", "4"
+    )
+    assert_one_line_error(proc, "`kv_bits` cannot quantize a RotatingKVCache")
+
+
+@pytest.mark.parametrize("bits", ["0", "1", "7", "9", "4.0"])
+def test_kv_bits_takes_only_the_widths_mlx_lm_quantizes_to(bits):
+    # Refused by the parser, before any model is loaded: the model folder does not exist.
+    proc = mlx_spec_cmd("generate", "--model", "nowhere", "--prompt-lookup", "--prompt", "x",
+                        "--kv-bits", bits)  # fmt: skip
+    assert_one_line_error(proc, "argument --kv-bits:", f"got '{bits}'")
 
 
 def test_draft_model_and_prompt_lookup_exclude_each_other():

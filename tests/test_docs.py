@@ -1,7 +1,8 @@
-"""The docs: every ```python block in README.md and docs/*.md runs, in order, one namespace per
-file; every script in examples/ runs; .ci/run runs exactly the test command that README.md gives;
-docs/api.md is what scripts/api_docs.py writes from the docstrings now; every relative link
-resolves; and no page but docs/performance.md quotes a date, a commit or a machine path."""
+"""The docs: every ```python block in README.md, docs/*.md and the demo pair's README runs, in
+order, one namespace per file; every script in examples/ runs; .ci/run runs exactly the test
+command that README.md gives; docs/api.md is what scripts/api_docs.py writes from the docstrings
+now; every relative link resolves; and no page but docs/performance.md quotes a date, a commit or
+a machine path."""
 
 import difflib
 import functools
@@ -14,17 +15,25 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "mlx_spec" / "demo" / "README.md",
+]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def page_id(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
 
 
 def python_blocks(path: Path) -> list[str]:
     return BLOCK.findall(path.read_text())
 
 
-@pytest.mark.parametrize("path", DOCS, ids=[p.name for p in DOCS])
+@pytest.mark.parametrize("path", DOCS, ids=page_id)
 def test_code_blocks_run(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": f"doc_{path.stem}"}
@@ -87,7 +96,7 @@ def headings(path: Path) -> set[str]:
     return {slug(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}
 
 
-@pytest.mark.parametrize("path", DOCS, ids=[p.name for p in DOCS])
+@pytest.mark.parametrize("path", DOCS, ids=page_id)
 def test_relative_links_resolve(path):
     text = FENCE.sub("", path.read_text())
     for target in LINK.findall(text):
@@ -100,9 +109,7 @@ def test_relative_links_resolve(path):
             assert anchor in headings(linked), f"{path.name}: {target} names no heading"
 
 
-@pytest.mark.parametrize(
-    "path", [p for p in DOCS if p.name != "performance.md"], ids=lambda p: p.name
-)
+@pytest.mark.parametrize("path", [p for p in DOCS if p.name != "performance.md"], ids=page_id)
 def test_pages_quote_no_dates_commits_or_machine_paths(path):
     # Results, with their machine and date, live in docs/performance.md; history stays in git.
     text = path.read_text()

@@ -26,6 +26,7 @@ from mlx_lm.sample_utils import make_sampler as lm_make_sampler
 from tiny_models import cut, tiny_llama
 
 from mlx_spec import kernels
+from mlx_spec._checks import device_type
 from mlx_spec.acceptance import accept_sampled, read
 from mlx_spec.generation import SpeculativeStats, speculative_generate_step
 from mlx_spec.sampling import make_sampler
@@ -336,6 +337,28 @@ def test_loop_verifies_with_the_fused_kernels_where_they_run(monkeypatch, target
         mx.enable_compile()
     assert tokens == plain
     assert launched == ["greedy" if temp == 0 else "sampled"] * stats.rounds
+
+
+@pytest.mark.parametrize(
+    "stream", [mx.Device(mx.cpu), mx.new_stream(mx.cpu)], ids=["device", "stream"]
+)
+def test_loop_asks_for_the_kernels_on_its_own_stream(monkeypatch, target, drafts, stream):
+    # A CUDA machine, whose default device is the GPU, told to generate on the CPU: the rounds
+    # run on the CPU, where the kernels cannot.
+    launched = []
+
+    def recorded(name, inputs, template):
+        launched.append(name)
+        return reference_launch(name, inputs, template)
+
+    def available(stream=None):
+        return stream is None or device_type(stream) == mx.DeviceType.gpu
+
+    monkeypatch.setattr(kernels, "launch", recorded)
+    monkeypatch.setattr(kernels, "available", available)
+    _, _, stats = run(PROMPT, target, drafts["truncated"], max_tokens=16, stream=stream)
+    assert stats.rounds > 0
+    assert launched == []
 
 
 def test_self_draft_is_always_accepted_at_temperature_one(target) -> None:

@@ -1,6 +1,6 @@
 """What the commands share: the parser, option values, and turning a failure into one line.
 
-Nothing here imports MLX or mlx-lm, so ``--help`` and a bad option answer at once.
+Nothing here imports mlx-lm, so ``--help`` and a bad option answer at once.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from .._checks import KV_BITS
 from ..draft_length import MAX_DRAFT_TOKENS
 
 
@@ -35,8 +36,6 @@ def run(
     parser: argparse.ArgumentParser,
     body: Callable[[argparse.Namespace], int],
     argv: Sequence[str] | None,
-    *,
-    extra: str = "lm",
 ) -> int:
     """Parses ``argv`` with ``parser`` and runs ``body`` on the result.
 
@@ -44,8 +43,6 @@ def run(
         parser (ArgumentParser): the command's parser; its ``prog`` starts each error line.
         body (callable): the command, given the parsed arguments; returns the exit status.
         argv (sequence of str, optional): the arguments. Default: ``sys.argv[1:]``.
-        extra (str, optional): the pip extra that installs what ``body`` imports. Default:
-            ``"lm"``.
 
     Returns:
         int: ``body``'s exit status; 2 after a one-line error on stderr (a :class:`CliError`, or
@@ -62,7 +59,7 @@ def run(
         _error(parser.prog, str(error))
         return 2
     except ImportError as error:
-        _error(parser.prog, f"{error}; install it with pip install 'mlx-spec[{extra}]'")
+        _error(parser.prog, f"{error}; install it with pip install 'mlx-spec[lm]'")
         return 2
     except KeyboardInterrupt:
         print(file=sys.stderr)
@@ -108,8 +105,8 @@ def _drop_output() -> None:
 MAX_TOKENS = 1_000_000
 """The most ``--max-tokens`` takes: a bound that catches typos such as ``-m 1000000000``."""
 DRAFT_TOKENS_WHY = (  # for help texts, which argparse %-formats
-    "each draft token costs a draft pass, and a round yields on average fewer than 1 / (1 - a) "
-    "tokens for an acceptance rate a: 20 at 95%%"
+    "a round yields on average fewer than 1 / (1 - a) tokens for an acceptance rate a, 20 at "
+    "95%%, while each draft token costs a scored position and, with a draft model, a draft step"
 )
 SEED_MAX = 2**64 - 1
 """The largest seed: MLX's random seeds and keys are 64-bit."""
@@ -162,18 +159,39 @@ def fraction(text: str) -> float:
     return value
 
 
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {shown(text)}") from None
+
+
 def integer(least: int, most: int | None = None, why: str = "") -> Callable[[str], int]:
     """A parser of integers in ``[least, most]`` (``most=None``: no upper bound); ``why``
     follows the range in its error."""
     bound = f">= {least}" if most is None else f"in [{least}, {most}]"
 
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {shown(text)}") from None
+        value = _integer(text)
         if value < least or (most is not None and value > most):
             raise argparse.ArgumentTypeError(f"must be {bound}{why}, got {shown(text)}")
+        return value
+
+    return parse
+
+
+def listing(values: Sequence[int]) -> str:
+    """``2, 3 or 4``: ``values`` as a help text or an error lists them."""
+    return f"{', '.join(map(str, values[:-1]))} or {values[-1]}"
+
+
+def one_of(values: Sequence[int]) -> Callable[[str], int]:
+    """A parser of the integers in ``values``."""
+
+    def parse(text: str) -> int:
+        value = _integer(text)
+        if value not in values:
+            raise argparse.ArgumentTypeError(f"must be {listing(values)}, got {shown(text)}")
         return value
 
     return parse
@@ -182,3 +200,4 @@ def integer(least: int, most: int | None = None, why: str = "") -> Callable[[str
 max_tokens = integer(1, MAX_TOKENS)
 num_draft_tokens = integer(1, MAX_DRAFT_TOKENS, " (see --help for why)")
 seed = integer(0, SEED_MAX)
+kv_bits = one_of(KV_BITS)

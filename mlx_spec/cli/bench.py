@@ -58,7 +58,7 @@ def _folder(text: str) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs ``mlx-spec bench``; returns the exit status (0, or 2 after a one-line error)."""
-    return run(setup_arg_parser(), _bench, argv, extra="bench")
+    return run(setup_arg_parser(), _bench, argv)
 
 
 def _prepare(out: Path) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .._checks import KV_BITS
 from ._common import (
     DRAFT_TOKENS_WHY,
     MAX_DRAFT_TOKENS,
@@ -22,6 +23,8 @@ from ._common import (
     Parser,
     fraction,
     integer,
+    kv_bits,
+    listing,
     max_tokens,
     num_draft_tokens,
     prefer_mlx_attention,
@@ -83,14 +86,15 @@ def setup_arg_parser() -> Parser:
         default=8,
         help=(
             f"the most draft tokens a round, 1 to {MAX_DRAFT_TOKENS} ({DRAFT_TOKENS_WHY}); each "
-            "round drafts the number that pays most, measured as it runs, unless --fixed "
+            "round asks for the number that pays most, measured as it runs, unless --fixed; "
+            "prompt lookup proposes fewer where its match ends sooner, and none without a match "
             "(default: 8)"
         ),
     )
     parser.add_argument(
         "--fixed",
         action="store_true",
-        help="draft exactly --num-draft-tokens every round (mlx-lm's behaviour)",
+        help="ask for --num-draft-tokens every round (mlx-lm's behaviour)",
     )
     parser.add_argument(
         "--max-tokens",
@@ -113,9 +117,9 @@ def setup_arg_parser() -> Parser:
     )
     parser.add_argument(
         "--kv-bits",
-        type=integer(2, 8),
+        type=kv_bits,
         default=None,
-        help="quantize the caches to this many bits (2, 3, 4, 5, 6 or 8; mlx-lm's option)",
+        help=f"quantize the caches to this many bits, {listing(KV_BITS)} (mlx-lm's option)",
     )
     parser.add_argument(
         "--pipeline",
