@@ -89,6 +89,16 @@ def test_api_reference_is_generated_from_the_docstrings():
     )
 
 
+def test_performance_page_is_generated_from_the_results():
+    # Numbers live in docs/results/ (each with its command and commit) and this page alone.
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "performance.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
 def headings(path: Path) -> set[str]:
     """The anchors GitHub gives the headings of ``path``."""
     text = FENCE.sub("", path.read_text())
