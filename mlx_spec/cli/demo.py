@@ -32,6 +32,10 @@ SHOWN = {"input-grounded": GROUNDED[1], "open": PROMPTS[0]}
 """The prompts streamed and measured, named as ``mlx-spec bench`` names their workloads: a class
 whose methods repeat a pattern, short enough to read, and the start of a function."""
 TEMPS = (0.0, 0.8)
+SAMPLES = 2
+"""How many times the table measures each prompt: :func:`mlx_spec.bench.measure` gives the
+``i``-th seed ``i`` and turns the methods' order by one each time, so that a busy moment of the
+machine weighs on no method alone."""
 
 
 def setup_arg_parser() -> Parser:
@@ -49,8 +53,8 @@ def setup_arg_parser() -> Parser:
     parser.add_argument(
         "--max-tokens",
         type=max_tokens,
-        default=64,
-        help=f"tokens per completion and per measured generation, 1 to {MAX_TOKENS} (default: 64)",
+        default=48,
+        help=f"tokens per completion and per measured generation, 1 to {MAX_TOKENS} (default: 48)",
     )
     parser.add_argument(
         "--num-draft-tokens",
@@ -169,12 +173,13 @@ def _demo(args: argparse.Namespace) -> int:
                 _stream(target, tokenizer, text, temp, args, color, options)
 
     print(
-        f"\nMeasuring {len(compared)} methods, interleaved, on these prompts at {args.max_tokens} "
-        "tokens, each run twice (first use, steady state):",
+        f"\nMeasuring {len(compared)} methods, interleaved, on each prompt {SAMPLES} times "
+        f"(seeds 0 to {SAMPLES - 1}) at {args.max_tokens} tokens, each run twice in a row (first "
+        "use, steady state):",
         end="",
         flush=True,
     )
-    workloads = {k: [mx.array(tokenizer.encode(v))] for k, v in SHOWN.items()}
+    workloads = {k: [mx.array(tokenizer.encode(v))] * SAMPLES for k, v in SHOWN.items()}
     rows = bench.measure(
         compared,
         workloads,
@@ -188,8 +193,8 @@ def _demo(args: argparse.Namespace) -> int:
     print(
         f"\nplain: mlx_lm.generate.generate_step. mlx-lm N={lm_n}: mlx-lm's speculative decoding "
         f"with the draft model{lm_n_why}. draft, lookup: mlx-spec with the draft model, with "
-        "prompt lookup.\ntok/s: of the second run, and every ratio likewise; first-use time / "
-        "steady: the first run's time over the second's. tok/round: tokens per target call.\n"
+        "prompt lookup.\ntok/s: of the second runs, and every ratio likewise; first-use time / "
+        "steady: the first runs' time over the second's. tok/round: tokens per target call.\n"
         "x plain: tok/s over plain decoding's on the same prompt at the same temperature; below "
         "1.00x speculation did not pay on this machine in this run. '-': no such comparison."
     )
