@@ -22,7 +22,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from helpers import assert_generation_table
+from helpers import assert_generation_table, assert_ratio, markdown_table
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten
@@ -92,7 +92,10 @@ def test_help_lists_the_subcommands():
 @pytest.mark.parametrize(
     ("command", "options"),
     [
-        ("demo", ["--max-tokens", "--num-draft-tokens", "--seed", "--color"]),
+        (
+            "demo",
+            ["--max-tokens", "--num-draft-tokens", "--fixed", "--seed", "--color", "prompt lookup"],
+        ),
         (
             "generate",
             [
@@ -471,6 +474,7 @@ def test_generate_needs_its_models():
         (["demo", "--seed", str(2**64)], ["--seed", "must be in [0, 18446744073709551615]"]),
         (["demo", "--seed", "-1"], ["--seed", "must be in [0, 18446744073709551615]"]),
         (["demo", "--color", "pink"], ["--color", "invalid choice"]),
+        (["demo", "--fixed=yes"], ["--fixed", "ignored explicit argument"]),
         (["bench", "--frobnicate"], ["unrecognized arguments", "--frobnicate"]),
         (["bench", "--out", ""], ["--out", "expected a folder"]),
         (["bench", "--out", "out-\udcff"], ["--out", "not UTF-8", "bytes ff at character 4"]),
@@ -615,58 +619,107 @@ def test_a_pipe_closed_while_generate_streams_ends_it_quietly():
 
 # -- demo --------------------------------------------------------------------------------------
 
-TABLE_ROW = re.compile(
-    r"^\| (0\.0|0\.8) \| (plain decoding \(mlx-lm generate_step\)|mlx-lm speculative decoding"
-    r"|mlx-spec) \| ([\d.]+) \| ([\d.]+)x \| ([\d.]+) \| ([\d.]+%|-) \|$",
-    re.MULTILINE,
+PROMPT_SHOWN = re.compile(r"^=== (input-grounded|open) prompt ===\n(.*?)\n--- ", re.M | re.S)
+STREAM = re.compile(
+    r"^--- (input-grounded|open), temperature (0\.0|0\.8), (draft model|prompt lookup), "
+    r"(?:N adaptive, at most (\d+)|N = (\d+), fixed) ---\n(.*?)\n--- (\d+) tokens in (\d+) "
+    r"rounds, (\d+) of (\d+) draft tokens accepted, ([\d.]+) tokens per round ---$",
+    re.M | re.S,
 )
-COMPLETION = re.compile(
-    r"^--- (code|prose) prompt, temperature (0\.0|0\.8), mlx-spec, N = (\d) ---\n(.*?)\n"
-    r"--- (\d+) tokens in (\d+) rounds, (\d+) of (\d+) draft tokens accepted ---$",
-    re.MULTILINE | re.DOTALL,
-)
+ANSI_MARK = re.compile(r"\x1b\[(?:32|0)m")
+TEMPS = ("0.0", "0.8")
+WORKLOADS = ("input-grounded", "open")
 
 
-def ratio_could_print_as(shown: float, tps: float, plain: float) -> bool:
-    """Whether ``shown`` (2 decimals) is the ratio of two speeds printed with 1 decimal as ``tps``
-    and ``plain``: the table divides the unrounded speeds, so a slow ``plain`` widens the range."""
-    low = (tps - 0.05) / (plain + 0.05)
-    high = (tps + 0.05) / max(plain - 0.05, 1e-9)
-    return low - 0.005 <= shown <= high + 0.005
+def mlx_lm_command_default_n() -> int:
+    """The draft length of mlx-lm's own ``mlx_lm.generate`` command."""
+    import importlib
+
+    return (
+        importlib.import_module("mlx_lm.generate")
+        .setup_arg_parser()
+        .get_default("num_draft_tokens")
+    )
 
 
-def check_demo_output(stdout: str, n: int | None, max_tokens: int) -> None:
-    chosen = int(re.search(r"^N = (\d) draft tokens per round", stdout, re.MULTILINE).group(1))
-    assert chosen == n if n is not None else chosen in (1, 2, 3)
-    completions = COMPLETION.findall(stdout)
-    assert [(c[0], c[1]) for c in completions] == [
-        ("code", "0.0"),
-        ("code", "0.8"),
-        ("prose", "0.0"),
-        ("prose", "0.8"),
+def check_demo_streams(stdout: str, n: int, fixed: bool, max_tokens: int) -> dict:
+    """Both drafters stream on both prompts at both temperatures with consistent counts; returns
+    each stream's text (marks removed) by (workload, temperature, drafter)."""
+    streams = STREAM.findall(stdout)
+    assert [s[:3] for s in streams] == [
+        (w, t, d) for w in WORKLOADS for t in TEMPS for d in ("draft model", "prompt lookup")
+    ], stdout
+    texts = {}
+    for workload, temp, drafter, most, exact, text, *counts in streams:
+        tokens, rounds, accepted, drafted = (int(c) for c in counts[:4])
+        assert int(exact or most) == n and bool(exact) == fixed
+        assert 1 <= rounds <= tokens <= min(max_tokens, rounds + accepted)
+        assert 0 <= accepted <= drafted <= n * rounds
+        if fixed and drafter == "draft model":
+            assert_drafted(drafted, n, rounds)
+        assert counts[4] == f"{tokens / rounds:.2f}"
+        marked = ANSI_MARK.search(text) or "[" in text
+        assert marked or not accepted, text
+        texts[workload, temp, drafter] = ANSI_MARK.sub("", text)
+    # The input-grounded prompt repeats itself: prompt lookup finds drafts the target keeps.
+    grounded = streams[1]
+    assert grounded[:3] == ("input-grounded", "0.0", "prompt lookup")
+    assert int(grounded[8]) > 0, grounded
+    return texts
+
+
+def check_greedy_streams_are_the_targets_greedy_text(stdout: str, texts: dict, max_tokens: int):
+    """At temperature 0 both drafters print plain greedy decoding's text of the prompt shown."""
+    from mlx_lm import generate as mlx_lm_generate
+    from mlx_lm import load
+
+    prompts = dict(PROMPT_SHOWN.findall(stdout))
+    assert set(prompts) == set(WORKLOADS)
+    model, tokenizer = load(TARGET)
+    for workload, prompt in prompts.items():
+        expected = mlx_lm_generate(model, tokenizer, prompt, max_tokens=max_tokens)
+        for drafter in ("draft model", "prompt lookup"):
+            assert texts[workload, "0.0", drafter] == expected, (workload, drafter)
+
+
+def check_demo_table(stdout: str, n: int, fixed: bool, lm_n: int) -> None:
+    """A line per prompt, temperature and method: plain decoding, mlx-lm's loop at ``lm_n`` and
+    mlx-spec with each drafter at ``n``, fixed or adaptive; ratios that divide the tok/s."""
+    length = f"N={n}" if fixed else "adaptive"
+    methods = ["plain", f"mlx-lm N={lm_n}", f"draft {length}", f"lookup {length}"]
+    table = markdown_table(stdout, "workload")
+    assert [(r["workload"], r["temp"], r["method"]) for r in table] == [
+        (w, t, m) for w in WORKLOADS for t in TEMPS for m in methods
     ]
-    for _, _, n_shown, text, tokens, rounds, accepted, drafted in completions:
-        assert int(n_shown) == chosen
-        assert 1 <= int(tokens) <= max_tokens
-        assert_drafted(int(drafted), chosen, int(rounds))
-        assert int(accepted) <= int(drafted)
-        # Runs of accepted draft tokens are bracketed (stdout is not a terminal).
-        if int(accepted):
-            assert "[" in text
-    assert sum(int(c[6]) for c in completions) > 0, "no draft token was accepted at all"
-
-    rows = {(temp, method): rest for temp, method, *rest in TABLE_ROW.findall(stdout)}
-    assert len(rows) == 6, stdout
-    for temp in ("0.0", "0.8"):
-        plain = rows[(temp, "plain decoding (mlx-lm generate_step)")]
-        assert plain[1] == "1.00" and plain[2] == "1.00" and plain[3] == "-"
-        for method in ("mlx-lm speculative decoding", "mlx-spec"):
-            tps, vs_plain, per_round, rate = rows[(temp, method)]
-            assert ratio_could_print_as(float(vs_plain), float(tps), float(plain[0]))
-            assert 1.0 <= float(per_round) <= chosen + 1
-            assert 0.0 <= float(rate.rstrip("%")) <= 100.0
-    # At temperature 0 both loops are greedy acceptance: same drafts kept, same rounds.
-    assert rows[("0.0", "mlx-spec")][2] == rows[("0.0", "mlx-lm speculative decoding")][2]
+    for line in table:
+        group = {
+            r["method"]: r
+            for r in table
+            if (r["workload"], r["temp"]) == (line["workload"], line["temp"])
+        }
+        speed = float(line["tok/s"])
+        assert_ratio(line["x plain"], speed, float(group["plain"]["tok/s"]))
+        assert line["x best fixed N"] == "-"
+        if line["method"] == "plain":
+            assert (line["tok/round"], line["acceptance"], line["x plain"]) == (
+                "1.00",
+                "-",
+                "1.00x",
+            )
+            continue
+        most = lm_n if line["method"].startswith("mlx-lm") else n
+        assert 1.0 <= float(line["tok/round"]) <= most + 1
+        if line["acceptance"] == "-":  # nothing drafted: every round a plain step
+            assert line["tok/round"] == "1.00"
+        else:
+            assert 0.0 <= float(line["acceptance"].rstrip("%")) <= 100.0
+        if fixed and line["method"] == f"draft N={n}":
+            assert_ratio(line["x mlx-lm"], speed, float(group[f"mlx-lm N={n}"]["tok/s"]))
+            if line["temp"] == "0.0":
+                # Both loops are greedy acceptance: the same drafts kept, the same rounds.
+                assert line["tok/round"] == group[f"mlx-lm N={n}"]["tok/round"]
+        else:
+            assert line["x mlx-lm"] == "-"
 
 
 def shipped_model_facts(role: str) -> str:
@@ -679,35 +732,33 @@ def shipped_model_facts(role: str) -> str:
     )
 
 
-def test_demo_streams_marked_completions_then_the_table():
-    proc = mlx_spec_cmd("demo", "--max-tokens", "12", "-n", "2", "--color", "never")
+def test_demo_streams_both_drafters_on_both_prompts_then_the_table():
+    proc = mlx_spec_cmd("demo", "--max-tokens", "12", "-n", "2", "--color", "always")
     assert proc.returncode == 0, proc.stderr
-    check_demo_output(proc.stdout, 2, 12)
-    assert "\x1b[" not in proc.stdout
-    assert "shown in [brackets]" in proc.stdout
+    texts = check_demo_streams(proc.stdout, 2, False, 12)
+    check_greedy_streams_are_the_targets_greedy_text(proc.stdout, texts, 12)
+    check_demo_table(proc.stdout, 2, False, min(2, mlx_lm_command_default_n()))
+    assert "\x1b[32m" in proc.stdout and "shown in green" in proc.stdout
     first = proc.stdout.splitlines()[0]
     assert f"{shipped_model_facts('target')} and {shipped_model_facts('draft')}" in first
     config = json.loads((DEMO / "target" / "config.json").read_text())
     assert f"{config['dtype']}, sharing one {config['vocab_size']}-token tokenizer" in first
 
 
-def test_demo_takes_the_largest_seed():
-    """The measured runs use seeds after --seed, which wrap around past 2**64 - 1."""
-    args = ("--seed", str(2**64 - 1), "--max-tokens", "2", "-n", "1", "--color", "never")
-    proc = mlx_spec_cmd("demo", *args)
+def test_demo_fixed_drafts_n_every_round_and_compares_mlx_lm_at_n():
+    args = ("--max-tokens", "10", "-n", "3", "--fixed", "--color", "never")
+    proc = mlx_spec_cmd("demo", *args, "--seed", str(2**64 - 1))
     assert proc.returncode == 0, proc.stderr
-    check_demo_output(proc.stdout, 1, 2)
+    check_demo_streams(proc.stdout, 3, True, 10)
+    check_demo_table(proc.stdout, 3, True, 3)
+    assert "\x1b[" not in proc.stdout and "shown in [brackets]" in proc.stdout
 
 
-@pytest.mark.slow
-def test_demo_with_its_defaults_chooses_n_by_measurement():
-    proc = mlx_spec_cmd("demo")
+def test_demo_by_default_adapts_up_to_8_and_runs_mlx_lm_at_its_commands_n():
+    proc = mlx_spec_cmd("demo", "--max-tokens", "4", "--color", "never")
     assert proc.returncode == 0, proc.stderr
-    assert "the fastest measured here" in proc.stdout
-    speeds = re.search(r"tokens/s N=1: (\d+), N=2: (\d+), N=3: (\d+)\)", proc.stdout).groups()
-    chosen = int(re.search(r"^N = (\d)", proc.stdout, re.MULTILINE).group(1))
-    assert int(speeds[chosen - 1]) == max(int(s) for s in speeds)
-    check_demo_output(proc.stdout, None, 64)
+    check_demo_streams(proc.stdout, 8, False, 4)
+    check_demo_table(proc.stdout, 8, False, min(8, mlx_lm_command_default_n()))
 
 
 def test_marker_colours_runs_of_draft_tokens(monkeypatch):
@@ -838,7 +889,9 @@ def test_fuzz_generate_options(fuzz_dir, options):
 
 
 @settings(max_examples=15)
-@given(options=drawn_options(["--max-tokens", "--num-draft-tokens", "--seed", "--color"]))
+@given(
+    options=drawn_options(["--max-tokens", "--num-draft-tokens", "--fixed", "--seed", "--color"])
+)
 def test_fuzz_demo_options(fuzz_dir, options):
     """Every value of the demo is checked by its parser; a word after the options that no
     option takes makes the parser refuse even good values, before the demo starts."""

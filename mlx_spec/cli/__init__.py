@@ -1,8 +1,9 @@
 """The ``mlx-spec`` command (also ``python -m mlx_spec``): a dispatcher to one module per command.
 
-- ``mlx-spec demo`` (:mod:`.demo`): the shipped model pair streams a few completions with the
-  accepted draft tokens marked, then a table compares plain decoding, mlx-lm's speculative
-  decoding and mlx-spec.
+- ``mlx-spec demo`` (:mod:`.demo`): the shipped model pair streams completions of an
+  input-grounded and an open prompt, drafting with the draft model and with prompt lookup, the
+  accepted draft tokens marked; then a table compares plain decoding, mlx-lm's speculative
+  decoding and mlx-spec with each drafter.
 - ``mlx-spec generate --model M (--draft-model D | --prompt-lookup) --prompt P`` (:mod:`.generate`):
   any mlx-lm model, streamed, with the speculation's counts at the end.
 - ``mlx-spec bench [--out DIR] [--quick]`` (:mod:`.bench`): generation on the shipped pair,

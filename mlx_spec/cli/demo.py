@@ -1,34 +1,41 @@
 """``mlx-spec demo``: speculative decoding on the shipped model pair, with no download.
 
-A code and a prose completion at two temperatures stream with the accepted draft tokens marked,
-then a table compares plain decoding, mlx-lm's speculative decoding and mlx-spec.
+On an input-grounded prompt (text the output repeats) and an open one, at two temperatures, the
+draft model and prompt lookup stream completions with the accepted draft tokens marked; then a
+table compares plain decoding, mlx-lm's speculative decoding and mlx-spec with each drafter.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from .._demo import DEMO_DIR, PROMPTS, WARM_UP
+from .._demo import DEMO_DIR, GROUNDED, PROMPTS, WARM_UP
 from ._common import (
     DRAFT_TOKENS_WHY,
     MAX_DRAFT_TOKENS,
     MAX_TOKENS,
-    SEED_MAX,
     CliError,
     Parser,
     max_tokens,
     num_draft_tokens,
+    prefer_mlx_attention,
     run,
     seed,
 )
 
-SHOWN = tuple(zip(("code", "prose"), PROMPTS[:2], strict=True))
-"""The prompts completed on screen, labelled; the other prompts choose ``N``."""
+SHOWN = {"input-grounded": GROUNDED[1], "open": PROMPTS[0]}
+"""The prompts streamed and measured, named as ``mlx-spec bench`` names their workloads: a class
+whose methods repeat a pattern, short enough to read, and the start of a function."""
 TEMPS = (0.0, 0.8)
+SAMPLES = 2
+"""How many times the table measures each prompt: :func:`mlx_spec.bench.measure` gives the
+``i``-th seed ``i`` and turns the methods' order by one each time, so that a busy moment of the
+machine weighs on no method alone."""
 
 
 def setup_arg_parser() -> Parser:
@@ -36,30 +43,43 @@ def setup_arg_parser() -> Parser:
     parser = Parser(
         prog="mlx-spec demo",
         description=(
-            "Streams completions of a code and a prose prompt at temperature 0 and 0.8 on the "
-            "tiny model pair shipped with mlx-spec, marking the draft tokens the target "
-            "accepted, then measures plain decoding, mlx-lm's speculative decoding and "
-            "mlx-spec on the same prompts and seeds."
+            "On the tiny model pair shipped with mlx-spec, streams completions of an "
+            "input-grounded prompt (text the output repeats) and of an open prompt at "
+            "temperature 0 and 0.8, drafting with the draft model and with prompt lookup, and "
+            "marks the draft tokens the target accepted; then measures plain decoding, mlx-lm's "
+            "speculative decoding and mlx-spec with each drafter on the same prompts."
         ),
     )
     parser.add_argument(
         "--max-tokens",
         type=max_tokens,
-        default=64,
-        help=f"tokens per completion and per measured generation, 1 to {MAX_TOKENS} (default: 64)",
+        default=48,
+        help=f"tokens per completion and per measured generation, 1 to {MAX_TOKENS} (default: 48)",
     )
     parser.add_argument(
         "--num-draft-tokens",
         "-n",
         type=num_draft_tokens,
-        default=None,
+        default=8,
         help=(
-            f"draft tokens per round, 1 to {MAX_DRAFT_TOKENS} ({DRAFT_TOKENS_WHY}); default: "
-            "the fastest of 1 to 3, measured on this machine"
+            f"the most draft tokens a round, 1 to {MAX_DRAFT_TOKENS} ({DRAFT_TOKENS_WHY}); each "
+            "round drafts the number that pays most, measured as it runs, unless --fixed; "
+            "mlx-lm's loop drafts as its command does, at most this many (default: 8)"
         ),
     )
     parser.add_argument(
-        "--seed", type=seed, default=0, help="random seed, 0 to 2**64 - 1 (default: 0)"
+        "--fixed",
+        action="store_true",
+        help="draft exactly --num-draft-tokens every round, mlx-lm's loop too",
+    )
+    parser.add_argument(
+        "--seed",
+        type=seed,
+        default=0,
+        help=(
+            "random seed of the streamed completions, 0 to 2**64 - 1; with adaptive draft "
+            "lengths it reproduces the distribution of the text, not the text (default: 0)"
+        ),
     )
     parser.add_argument(
         "--color",
@@ -97,11 +117,10 @@ class _Marker:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    prefer_mlx_attention()
     import mlx.core as mx
 
     from .. import bench
-    from ..generation import SpeculativeStats, stream_generate
-    from ..sampling import make_sampler
 
     for role in ("target", "draft"):
         if not (DEMO_DIR / role / "config.json").is_file():
@@ -111,71 +130,121 @@ def _demo(args: argparse.Namespace) -> int:
             )
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     start = time.perf_counter()
+    n, adaptive = args.num_draft_tokens, not args.fixed
     target, draft, tokenizer = bench.load_demo_pair()
-    prompts = [(label, text, mx.array(tokenizer.encode(text))) for label, text in SHOWN]
     print(
         f"mlx-spec demo: {_describe(target, 'target')} and {_describe(draft, 'draft')}, "
         f"{_dtypes(target, draft)}, sharing one {len(tokenizer.get_vocab())}-token tokenizer; "
         f"trained on Python's own docs and source (shipped in {DEMO_DIR}). "
         f"MLX {mx.__version__} on {mx.default_device()}."
     )
-    bench.warm_up(_compared(bench, target, draft, 2), mx.array(tokenizer.encode(WARM_UP)), TEMPS)
-    if args.num_draft_tokens is None:
-        calibration = [mx.array(tokenizer.encode(p)) for p in PROMPTS[len(SHOWN) :]]
-        n, speeds = _fastest_n(bench, target, draft, calibration)
-        measured = ", ".join(f"N={k}: {v:.0f}" for k, v in speeds.items())
-        print(
-            f"\nN = {n} draft tokens per round, the fastest measured here on two other prompts "
-            f"at temperatures 0 and 0.8 (tokens/s {measured}). Scoring N + 1 positions costs "
-            "the target more the larger N on a CPU (it is compute-bound at this size), so short "
-            "drafts pay best here; on a GPU, "
-            "where N + 1 positions cost about one, longer drafts win. Set it with -n."
-        )
-    else:
-        n = args.num_draft_tokens
-        print(f"\nN = {n} draft tokens per round (from --num-draft-tokens).")
+    lm_n = n if args.fixed else min(n, _mlx_lm_default_n())
+    compared = [
+        bench.plain(target),
+        bench.mlx_lm(target, draft, lm_n),
+        bench.mlx_spec(target, n, draft=draft, adaptive=adaptive),
+        bench.mlx_spec(target, n, drafter="prompt-lookup", adaptive=adaptive),
+    ]
+    bench.warm_up(compared, mx.array(tokenizer.encode(WARM_UP)), TEMPS)
+    length = f"N adaptive, at most {n}" if adaptive else f"N = {n}, fixed"
+    how = (
+        "each round drafts as many tokens as pay, from the acceptance so far and the measured "
+        "cost of a round, and none when prompt lookup finds no match; --fixed drafts N"
+        if adaptive
+        else f"the draft model drafts {n} tokens a round, prompt lookup up to {n} (what follows "
+        "the match, none without one)"
+    )
+    print(
+        "\nDrafts come from the draft model, or from prompt lookup (no second model: it finds "
+        "the text's last tokens earlier in the text and proposes what followed them). "
+        f"{length}: {how}."
+    )
     legend = "in green" if color else "in [brackets]"
     print(f"Draft tokens the target accepted are shown {legend}; the rest are the target's own.")
-
-    for label, text, _ in prompts:
+    drafters = {
+        "draft model": {"draft_model": draft},
+        "prompt lookup": {"drafter": "prompt-lookup"},
+    }
+    for workload, text in SHOWN.items():
+        print(f"\n=== {workload} prompt ===\n{text}")
         for temp in TEMPS:
-            print(f"\n--- {label} prompt, temperature {temp}, mlx-spec, N = {n} ---")
-            sys.stdout.write(text)
-            marker = _Marker(color)
-            stats = SpeculativeStats()
-            for response in stream_generate(
-                target,
-                tokenizer,
-                text,
-                max_tokens=args.max_tokens,
-                draft_model=draft,
-                sampler=make_sampler(temp=temp),
-                num_draft_tokens=n,
-                key=mx.random.key(args.seed),
-                stats=stats,
-            ):
-                marker.write(response.text, response.from_draft)
-            marker.end()
-            print(
-                f"--- {stats.generated} tokens in {stats.rounds} rounds, "
-                f"{stats.accepted} of {stats.drafted} draft tokens accepted ---"
-            )
+            for name, options in drafters.items():
+                print(f"--- {workload}, temperature {temp}, {name}, {length} ---")
+                _stream(target, tokenizer, text, temp, args, color, options)
 
     print(
-        f"\nMeasuring: {len(prompts)} prompts x 2 seeds x {args.max_tokens} tokens per method "
-        "and temperature, methods interleaved ..."
+        f"\nMeasuring {len(compared)} methods, interleaved, on each prompt {SAMPLES} times "
+        f"(seeds 0 to {SAMPLES - 1}) at {args.max_tokens} tokens, each run twice in a row (first "
+        "use, steady state):",
+        end="",
+        flush=True,
     )
-    compared = _compared(bench, target, draft, n)
-    rows = _rows(bench, compared, [p for _, _, p in prompts], args)
-    print()
-    print(_table(rows, n))
+    workloads = {k: [mx.array(tokenizer.encode(v))] * SAMPLES for k, v in SHOWN.items()}
+    rows = bench.measure(
+        compared,
+        workloads,
+        TEMPS,
+        args.max_tokens,
+        progress=lambda label: print(f" {label};", end="", flush=True),
+    )
+    print(" done.\n")
+    print(bench.table(bench.summarize(rows)))
+    lm_n_why = "" if args.fixed else " (its command's default, at most -n)"
     print(
-        "tokens/round: tokens per target call (plain decoding: 1). acceptance: draft tokens "
-        "kept / drafted. vs plain: tokens/s against plain decoding at the same temperature; "
-        "below 1.00x speculation did not pay on this machine in this run."
+        f"\nplain: mlx_lm.generate.generate_step. mlx-lm N={lm_n}: mlx-lm's speculative decoding "
+        f"with the draft model{lm_n_why}. draft, lookup: mlx-spec with the draft model, with "
+        "prompt lookup.\ntok/s: of the second runs, and every ratio likewise; first-use time / "
+        "steady: the first runs' time over the second's. tok/round: tokens per target call.\n"
+        "x plain: tok/s over plain decoding's on the same prompt at the same temperature; below "
+        "1.00x speculation did not pay on this machine in this run. '-': no such comparison."
     )
     print(f"\nDemo done in {time.perf_counter() - start:.0f} s. Next: mlx-spec bench --quick")
     return 0
+
+
+def _stream(
+    target: Any,
+    tokenizer: Any,
+    text: str,
+    temp: float,
+    args: argparse.Namespace,
+    color: bool,
+    options: dict[str, Any],
+) -> None:
+    """Streams one completion of ``text`` with mlx-spec, drafting as ``options`` say (a draft
+    model or a drafter), marking the accepted draft tokens; then its counts."""
+    import mlx.core as mx
+
+    from ..generation import SpeculativeStats, stream_generate
+    from ..sampling import make_sampler
+
+    marker = _Marker(color)
+    stats = SpeculativeStats()
+    for response in stream_generate(
+        target,
+        tokenizer,
+        text,
+        max_tokens=args.max_tokens,
+        sampler=make_sampler(temp=temp),
+        num_draft_tokens=args.num_draft_tokens,
+        adaptive=not args.fixed,
+        key=mx.random.key(args.seed),
+        stats=stats,
+        **options,
+    ):
+        marker.write(response.text, response.from_draft)
+    marker.end()
+    print(
+        f"--- {stats.generated} tokens in {stats.rounds} rounds, {stats.accepted} of "
+        f"{stats.drafted} draft tokens accepted, {stats.tokens_per_round:.2f} tokens per round ---"
+    )
+
+
+def _mlx_lm_default_n() -> int:
+    """The draft length of the ``mlx_lm.generate`` command when none is given."""
+    # The module, not the function that ``mlx_lm.generate`` also names.
+    command = importlib.import_module("mlx_lm.generate")
+    return command.setup_arg_parser().get_default("num_draft_tokens")
 
 
 def _parameters(model: Any) -> list[Any]:
@@ -195,60 +264,3 @@ def _dtypes(*models: Any) -> str:
     """The parameters' dtypes, such as ``bfloat16``."""
     names = {str(p.dtype).removeprefix("mlx.core.") for m in models for p in _parameters(m)}
     return ", ".join(sorted(names))
-
-
-def _fastest_n(bench: Any, target: Any, draft: Any, prompts: list[Any]) -> tuple[int, dict]:
-    """The draft length of 1 to 3 whose mlx-spec generates the most tokens per second here, on
-    every prompt at each temperature (seed 100, 24 tokens), interleaved; and each one's tokens/s."""
-    totals = {n: bench.Timed() for n in (1, 2, 3)}
-    for prompt in prompts:
-        for temp in TEMPS:
-            for n in totals:
-                totals[n] += bench.run(
-                    bench.mlx_spec(target, n, draft=draft), prompt, temp, 100, 24
-                )
-    speeds = {n: t.tokens_per_second for n, t in totals.items()}
-    return max(speeds, key=speeds.__getitem__), speeds
-
-
-def _compared(bench: Any, target: Any, draft: Any, n: int) -> list[Any]:
-    """Plain decoding, mlx-lm's speculative decoding and mlx-spec at ``n`` draft tokens."""
-    return [
-        bench.plain(target),
-        bench.mlx_lm(target, draft, n),
-        bench.mlx_spec(target, n, draft=draft),
-    ]
-
-
-def _rows(
-    bench: Any, compared: list[Any], prompts: list[Any], args: argparse.Namespace
-) -> list[tuple[float, str, Any]]:
-    """Plain decoding, mlx-lm's speculative decoding and mlx-spec (``compared``, in that order),
-    interleaved over the prompts, each twice with another seed, at each temperature."""
-    names = ("plain decoding (mlx-lm generate_step)", "mlx-lm speculative decoding", "mlx-spec")
-    rows = []
-    for temp in TEMPS:
-        totals = [bench.Timed() for _ in compared]
-        for i, prompt in enumerate(prompts * 2):
-            # MLX takes 64-bit seeds: the ones after the largest wrap around to 0.
-            run_seed = (args.seed + i) & SEED_MAX
-            for k, method in enumerate(compared):
-                totals[k] += bench.run(method, prompt, temp, run_seed, args.max_tokens)
-        rows += [(temp, name, total) for name, total in zip(names, totals, strict=True)]
-    return rows
-
-
-def _table(rows: list[tuple[float, str, Any]], n: int) -> str:
-    lines = [
-        f"| temp | method (N = {n}) | tokens/s | vs plain | tokens/round | acceptance |",
-        "|---|---|---|---|---|---|",
-    ]
-    plain_tps = {temp: t.tokens_per_second for temp, name, t in rows if name.startswith("plain")}
-    for temp, name, t in rows:
-        rate = f"{t.stats.acceptance_rate:.1%}" if t.stats.drafted else "-"
-        lines.append(
-            f"| {temp:.1f} | {name} | {t.tokens_per_second:.1f} | "
-            f"{t.tokens_per_second / plain_tps[temp]:.2f}x | {t.stats.tokens_per_round:.2f} | "
-            f"{rate} |"
-        )
-    return "\n".join(lines)
