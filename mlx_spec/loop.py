@@ -131,9 +131,10 @@ class Target:
             return MAX_DRAFT_TOKENS + 1
         return self.quantized_kv_start - max(offsets)
 
-    def step(self, tokens: mx.array, context: mx.array) -> mx.array:
+    def step(self, tokens: mx.array, context: mx.array | None) -> mx.array:
         """One plain step: runs the model on ``[k]`` tokens and returns the ``[1, V]`` logits of
-        the last position (after the processors, ``context`` being the text up to it); lazy."""
+        the last position (after the processors, ``context`` being the text up to it: ``None``
+        without processors); lazy."""
         self.cache.checkpoint()
         logits = self.feed(tokens)[-1:]
         self.quantize(self.cache.layers)
@@ -306,7 +307,8 @@ class Generation:
         start = time.perf_counter()
         held = self.target.cache.length
         self.stats.replayed += len(self.text) - held - 1
-        context = self.text.array()
+        # The text up to each step, for the processors only (else no graph grows with the steps).
+        context = self.text.array() if self.target.processors else None
         made = hits = 0
         step = self._plain_step(self.text.tokens(held), context)
         while step is not None:
@@ -315,7 +317,8 @@ class Generation:
             ahead = None
             if made < count:
                 # The next step, built on the lazy token: it computes while this one is read.
-                context = mx.concatenate([context, result[1:2]])
+                if context is not None:
+                    context = mx.concatenate([context, result[1:2]])
                 ahead = self._plain_step(result[1:2], context)
             guess = self.drafter.propose(self.text, 1, None) if self.drafter.free else _NONE
             # The step's one read, of the result alone: a new op on it (a concatenation, say)
@@ -336,15 +339,14 @@ class Generation:
         self.lengths.record_plain((time.perf_counter() - start) / made)
         self.next_stretch = STRETCH if hits else min(2 * self.next_stretch, LONGEST_STRETCH)
 
-    def _plain_step(self, inputs: mx.array, context: mx.array) -> tuple[mx.array, mx.array]:
+    def _plain_step(self, inputs: mx.array, context: mx.array | None) -> tuple[mx.array, mx.array]:
         """The lazy ``[3]`` result and ``[1, V]`` log-probabilities of one plain step, started."""
         verify_key = None
         if self.rule.random:
             self.key, _, verify_key = mx.random.split(self.key, 3)
         logits = self.target.step(inputs, context)
-        empty = mx.array([], dtype=mx.uint32)
         result, logprobs = self.rule.decide(
-            logits, empty, None, self.eos_array, verify_key, fused=self.fused
+            logits, _NONE.tokens, None, self.eos_array, verify_key, fused=self.fused
         )
         mx.async_eval(result)
         return result, logprobs

@@ -25,7 +25,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.sample_utils import make_sampler as lm_make_sampler
 from tiny_models import cut, tiny_llama
 
-from mlx_spec import kernels
+from mlx_spec import kernels, loop
 from mlx_spec._checks import device_type
 from mlx_spec.acceptance import accept_sampled, read
 from mlx_spec.generation import SpeculativeStats, speculative_generate_step
@@ -112,6 +112,28 @@ def test_logits_processors_apply_per_position(target, drafts) -> None:
             logits_processors=processors,
         )
         assert tokens == plain
+    # Prompt lookup, adaptive: rounds and stretches of plain steps, each step processed with the
+    # text up to it.
+    stretches = []
+    original = loop.Generation.stretch
+
+    def counted(self, count):
+        stretches.append(count)
+        return original(self, count)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop.Generation, "stretch", counted)
+        steps = speculative_generate_step(
+            mx.array(PROMPT),
+            target,
+            drafter="prompt-lookup",
+            adaptive=True,
+            num_draft_tokens=4,
+            max_tokens=120,
+            logits_processors=processors,
+        )
+        assert [t for t, _, _ in steps] == plain
+    assert stretches
 
 
 def test_yielded_logprobs_equal_plain_generation(target, drafts) -> None:
