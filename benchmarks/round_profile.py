@@ -17,7 +17,6 @@ Usage: ``python benchmarks/round_profile.py [--pair demo|random|16x2048|...] [--
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
 from collections.abc import Callable
@@ -30,10 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generation import build_pair
 
 from mlx_spec.generation import speculative_generate_step
-
-# The module: mlx_lm exports a function of the same name.
-_lm_generate = importlib.import_module("mlx_lm.generate")
-_LM_SPECULATIVE_STEP = _lm_generate.speculative_generate_step
+from mlx_spec.patch import _LM_SPECULATIVE_STEP
 
 
 class Reads:

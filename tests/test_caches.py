@@ -144,6 +144,20 @@ def test_the_cases_build_the_caches_they_test() -> None:
     assert {c.keep for c in case("max_kv_size")["cache"](case("max_kv_size")["model"])} == {4}
 
 
+def steps_on(name: str, cache: list, prompt: list[int], n: int, tokens: int):
+    """Speculation on case ``name`` from ``prompt``, with its draft model and the given caches."""
+    c = case(name)
+    return speculative_generate_step(
+        mx.array(prompt),
+        c["model"],
+        c["draft"],
+        num_draft_tokens=n,
+        max_tokens=tokens,
+        prompt_cache=cache,
+        **c["options"],
+    )
+
+
 def greedy_equals_plain(name: str, drafter: str, n: int) -> None:
     reference = plain(name)  # first: skips where MLX cannot run the case on this device
     tokens, stats, cache = speculate(name, drafter, n)
@@ -186,28 +200,12 @@ def test_caches_hold_prompt_and_yielded_tokens_for_reuse(name: str) -> None:
     # plain decoding's, so the caches held exactly the prompt and the 37 tokens.
     c = case(name)
     cache = c["cache"](c["model"]) + c["cache"](c["draft"])
-    steps = speculative_generate_step(
-        mx.array(PROMPT),
-        c["model"],
-        c["draft"],
-        num_draft_tokens=4,
-        max_tokens=300,
-        prompt_cache=cache,
-        **c["options"],
-    )
+    steps = steps_on(name, cache, PROMPT, 4, 300)
     first = [t for t, _, _ in itertools.islice(steps, 37)]
     steps.close()
     reference = plain(name)
     assert first == reference[:37]
-    more = speculative_generate_step(
-        mx.array([reference[37]]),
-        c["model"],
-        c["draft"],
-        num_draft_tokens=4,
-        max_tokens=20,
-        prompt_cache=cache,
-        **c["options"],
-    )
+    more = steps_on(name, cache, [reference[37]], 4, 20)
     assert [t for t, _, _ in more] == reference[38:58]
 
 
@@ -217,15 +215,7 @@ def test_prompt_cache_holds_the_quantized_caches_during_generation() -> None:
     reference = plain("kv_bits")
     c = case("kv_bits")
     cache = c["cache"](c["model"]) + c["cache"](c["draft"])
-    steps = speculative_generate_step(
-        mx.array(PROMPT),
-        c["model"],
-        c["draft"],
-        num_draft_tokens=3,
-        max_tokens=60,
-        prompt_cache=cache,
-        **c["options"],
-    )
+    steps = steps_on("kv_bits", cache, PROMPT, 3, 60)
     before = list(itertools.islice(steps, 20))
     assert {type(layer).__name__ for layer in cache} == {"KVCache"}
     after = list(itertools.islice(steps, 30))  # past quantized_kv_start = 40

@@ -8,7 +8,6 @@ table compares plain decoding, mlx-lm's speculative decoding and mlx-spec with e
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
 from collections.abc import Sequence
@@ -242,9 +241,9 @@ def _stream(
 
 def _mlx_lm_default_n() -> int:
     """The draft length of the ``mlx_lm.generate`` command when none is given."""
-    # The module, not the function that ``mlx_lm.generate`` also names.
-    command = importlib.import_module("mlx_lm.generate")
-    return command.setup_arg_parser().get_default("num_draft_tokens")
+    from ..patch import _lm_generate
+
+    return _lm_generate.setup_arg_parser().get_default("num_draft_tokens")
 
 
 def _parameters(model: Any) -> list[Any]:
