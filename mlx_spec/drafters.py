@@ -214,7 +214,8 @@ class ModelDrafter(Drafter):
         self.model = model
         self.cache = ModelCache(cache if cache is not None else make_prompt_cache(model))
         self._setup = DraftSetup(Rule("greedy"))
-        self._base = 0
+        # The text's length at the last proposal not yet followed by an update.
+        self._base: int | None = None
 
     def start(self, text: Text, setup: DraftSetup) -> None:
         self._setup = setup
@@ -263,8 +264,13 @@ class ModelDrafter(Drafter):
         return Draft(mx.concatenate(drafts), probs, steps=n)
 
     def update(self, text: Text, accepted: int) -> None:
+        if self._base is None:
+            # Nothing proposed since the last update (a stretch of plain steps): the caches hold a
+            # prefix of the text, and the next proposal feeds what they lack.
+            return
         self.cache.rewind(self._base + accepted)
         self.cache.forget()
+        self._base = None
 
     def finish(self, text: Text, length: int, feed: bool) -> None:
         held = self.cache.rewind(length)

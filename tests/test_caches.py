@@ -186,6 +186,15 @@ def test_greedy_equals_plain_decoding_at_other_lengths(name: str, drafter: str, 
     greedy_equals_plain(name, drafter, n)
 
 
+def test_adaptive_lengths_with_a_hybrid_draft_equal_plain_decoding() -> None:
+    # Adaptive lengths run stretches of plain steps between rounds: a hybrid draft model's caches,
+    # left after a round holding its kept drafts, must not be taken back to before them then.
+    reference = plain("qwen3_next")
+    tokens, stats, _ = speculate("qwen3_next", "model", 8, adaptive=True)
+    assert tokens == reference
+    assert 0 < stats.accepted < stats.drafted
+
+
 def test_gemma3_window_wraps_many_times() -> None:
     # 300 tokens through windows of 8: the rotating buffers wrapped dozens of times, and mlx-lm's
     # own trim (the bug this replaces) would leave plain decoding's text.
