@@ -1,12 +1,17 @@
 """How many tokens to draft each round: a fixed number, or the number that pays most.
 
-A round that drafts ``N`` tokens, each kept with probability ``a`` once the ones before it were,
-yields ``E(N) = 1 + a + ... + a^N`` tokens on average. It costs one target call over the ``k``
-tokens the target still lacks and the ``N`` drafts, plus the drafter's own work. The adaptive
-choice keeps estimates of both and takes the ``N`` that maximises ``E(N) / cost(N)``:
+A round that drafts ``N`` tokens yields ``E(N) = 1 + s(1) + ... + s(N)`` tokens on average,
+``s(i)`` being the chance that its first ``i`` draft tokens are all kept: ``a1 * a^(i - 1)``, with
+``a1`` the chance that a first draft token is kept and ``a`` that a later one is, once the one
+before it was. It costs one target call over the ``k`` tokens the target still lacks and the ``N``
+drafts, plus the drafter's own work. The adaptive choice keeps estimates of both and takes the
+``N`` that maximises ``E(N) / cost(N)``:
 
-- ``a`` from the recent rounds: every draft token tested counts (a kept token is a success, the
-  first rejected one a failure), older rounds weighing less;
+- ``a1`` and ``a`` from the recent rounds: every draft token tested counts (a kept token is a
+  success, the first rejected one a failure), older rounds weighing less. ``a1`` is kept apart for
+  each kind of proposal (:attr:`mlx_spec.drafters.Draft.label`): prompt lookup's proposals from
+  a long matched n-gram are kept far more often than those from one matched token, and a first
+  token tells where a copy begins, whose later tokens are then kept alike;
 - the cost of a round as ``base + slope * (k + N)`` seconds for prompt lookup, whose proposals
   cost nothing, and ``base + slope * N`` for a draft model, whose ``slope`` also holds a draft
   step (and whose ``base`` holds the waiting tokens). ``slope`` is the median, over recent pairs
@@ -22,8 +27,9 @@ Exploration keeps both estimates alive: every few rounds the choice drafts one t
 than its best, so consecutive rounds differ; when drafting does not pay, it drafts the most and
 one token in turn (a pair far apart, which measures the slope again); and the loop still asks a
 free drafter (prompt lookup) for a proposal and checks it against the token the target emits,
-which measures its acceptance without verifying it. The first rounds draft the most and one token
-in turn, until the slope is measured.
+which measures its acceptance without verifying it; the stretch of plain steps ends as soon as a
+proposal of a kind that pays comes. The first rounds draft the most and one token in turn, until
+the slope is measured.
 
 A target whose caches are restored after a rejection (recurrent layers) feeds again, in the next
 call, everything since its last fully kept round; the choice counts that future cost too, and a
@@ -50,7 +56,7 @@ _PRIOR_KEPT, _PRIOR_TESTED = 2.0, 3.0
 # The costs come from the last this many rounds.
 _COST_WINDOW = 48
 # Plain decoding's cost a token is the median of the last this many stretches, measured at least
-# every _REMEASURE choices.
+# every _REMEASURE choices (at the first rejection after them).
 _PLAIN_WINDOW = 8
 _REMEASURE = 64
 # Every this many rounds the choice tries one token more or fewer than its best (alternately),
@@ -80,21 +86,27 @@ class DraftLength:
         self.adaptive = adaptive
         self.free = free
         self.stretches = stretches
-        self._kept = _PRIOR_KEPT
-        self._tested = _PRIOR_TESTED
+        # [kept, tested] of the first draft tokens, by label, and of the later ones.
+        self._first: dict[int, list[float]] = {}
+        self._later = [_PRIOR_KEPT, _PRIOR_TESTED]
         # (pending, drafted, seconds) of the recent rounds, oldest first.
         self._rounds: deque[tuple[int, int, float]] = deque(maxlen=_COST_WINDOW)
         self._base = self._slope = None
         # Seconds a token of the recent stretches of plain steps (see mlx_spec.loop).
         self._plain: deque[float] = deque(maxlen=_PLAIN_WINDOW)
         self._count = 0
-        # Draft tokens tested so far (verified, or checked against the emitted text).
-        self._shadowed = 0
+        # The choice at which plain steps were last measured, and whether the last round kept
+        # all its drafts (a copy going on, which a measurement would interrupt).
+        self._measured_at = 0
+        self._kept_all = False
+        #: Whether the last choice of 0 was made to measure plain steps (a stretch that must run).
+        self.measuring = False
 
-    @property
-    def acceptance(self) -> float:
-        """float: the estimated chance that a draft token is kept, once the ones before it are."""
-        return self._kept / self._tested
+    def acceptance(self, label: int = 0) -> tuple[float, float]:
+        """The estimated chances that a first draft token of a proposal labelled ``label`` is kept,
+        and that a later one is, once the one before it was: ``(a1, a)``."""
+        kept, tested = self._first.get(label, (_PRIOR_KEPT, _PRIOR_TESTED))
+        return kept / tested, self._later[0] / self._later[1]
 
     def cost(self, pending: int, n: int) -> float:
         """The predicted seconds of a round over ``pending`` waiting tokens and ``n`` drafts
@@ -105,7 +117,7 @@ class DraftLength:
         # model the slope also holds its step.
         return self._base + self._slope * (pending + n if self.free else n)
 
-    def choose(self, pending: int, cap: int, replays: bool = False) -> int:
+    def choose(self, pending: int, cap: int, replays: bool = False, label: int = 0) -> int:
         """The number of draft tokens of the next round.
 
         Args:
@@ -114,6 +126,8 @@ class DraftLength:
                 caches), ``>= 0``.
             replays (bool): whether a rejection restores the target's caches, whose next call
                 then feeds again everything since the last fully kept round.
+            label (int): the label of the proposal to draft from (see
+                :attr:`mlx_spec.drafters.Draft.label`).
 
         Returns:
             int: ``N`` in ``[0, min(most, cap)]``. With ``replays`` and a fixed length, 0 once
@@ -121,38 +135,24 @@ class DraftLength:
             keeps the tokens fed again from growing with every rejection.
         """
         top = min(self.most, cap)
+        self.measuring = False
         if not self.adaptive:
             return 0 if replays and pending > self.most + 1 else top
         self._count += 1
         if top == 0:
             return 0
         if self._slope is None:
-            if self.stretches and self._rounds and (self._shadowed == 0 or self.acceptance < 0.5):
-                # A drafter that proposed nothing yet (prompt lookup before any match): plain
-                # steps, until its proposals checked against the text show it would be kept.
-                if not any(drafted for _, drafted, _ in self._rounds):
-                    return 0
             # Until a pair of rounds of different lengths is measured: the most, then one, ...
             # (lengths far apart measure the slope above the noise of a round's time).
             return top if len(self._rounds) % 2 == 0 else 1
-        if self.stretches and (not self._plain or self._count % _REMEASURE == 0):
-            # A stretch of plain steps, to measure (again) what drafting must beat.
+        due = not self._plain or self._count - self._measured_at >= _REMEASURE
+        if self.stretches and due and not self._kept_all:
+            # A stretch of plain steps, to measure (again) what drafting must beat; not in the
+            # middle of drafts all kept, but after the next rejection.
+            self.measuring = True
+            self._measured_at = self._count
             return 0
-        a = min(self.acceptance, 0.999)
-        # Drafting nothing: plain steps, at the cost measured in stretches (or a round of one).
-        plain = float(np.median(self._plain)) if self.stretches else self.cost(pending, 0)
-        best, best_rate = 0, 1 / max(plain, 1e-9)
-        for n in range(1, top + 1):
-            tokens = (1 - a ** (n + 1)) / (1 - a)
-            cost = self.cost(pending, n)
-            if replays and n:
-                # A rejection (chance 1 - a^n) makes the next call feed again what waits now and
-                # the tokens kept before the rejection.
-                kept = sum(i * a**i * (1 - a) for i in range(n)) / max(1 - a**n, 1e-12)
-                cost += (1 - a**n) * self._slope * (pending + kept)
-            rate = tokens / max(cost, 1e-9)
-            if rate > best_rate * (1 + 1e-9):
-                best, best_rate = n, rate
+        best = self._best(pending, top, replays, label)
         if self._count % _EXPLORE_EVERY == 0:
             odd = (self._count // _EXPLORE_EVERY) % 2
             if best == 0:
@@ -166,7 +166,40 @@ class DraftLength:
             best = min(max(best + step, 0), top)
         return best
 
-    def record(self, drafted: int, accepted: int, fed: int, steps: int, seconds: float) -> None:
+    def pays(self, label: int, replays: bool = False) -> bool:
+        """Whether drafting from a proposal labelled ``label``, with one token waiting, is
+        expected to beat plain steps (once the costs are measured; always with a fixed length)."""
+        if not self.adaptive:
+            return True
+        measured = self._slope is not None and bool(self._plain)
+        return measured and self._best(1, self.most, replays, label) > 0
+
+    def _best(self, pending: int, top: int, replays: bool, label: int) -> int:
+        """The ``N`` in ``[0, top]`` of the most tokens per second, 0 being plain steps."""
+        a1, a = (min(x, 0.999) for x in self.acceptance(label))
+        # Drafting nothing: plain steps, at the cost measured in stretches (or a round of one,
+        # before any stretch measured them).
+        plain = float(np.median(self._plain)) if self._plain else self.cost(pending, 0)
+        best, best_rate = 0, 1 / max(plain, 1e-9)
+        # survival[i]: the chance that the first i draft tokens are all kept.
+        survival = np.concatenate([[1.0], a1 * a ** np.arange(top)])
+        for n in range(1, top + 1):
+            tokens = survival[: n + 1].sum()
+            cost = self.cost(pending, n)
+            if replays:
+                # A rejection (chance 1 - s(n)) makes the next call feed again what waits now and
+                # the tokens kept before the rejection.
+                rejected = survival[:n] - survival[1 : n + 1]
+                kept = float(np.arange(n) @ rejected)
+                cost += self._slope * ((1 - survival[n]) * pending + kept)
+            rate = tokens / max(cost, 1e-9)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = n, rate
+        return best
+
+    def record(
+        self, drafted: int, accepted: int, fed: int, steps: int, seconds: float, label: int = 0
+    ) -> None:
         """What one round did and cost.
 
         Args:
@@ -175,9 +208,11 @@ class DraftLength:
             fed (int): tokens the target scored (the waiting ones and the drafts).
             steps (int): the drafter's model calls (folded into the slope of a draft token).
             seconds (float): the round's time, from proposing to reading the result.
+            label (int): the proposal's label.
         """
+        self._kept_all = drafted > 0 and accepted == drafted
         if drafted:
-            self.shadow(accepted, drafted)
+            self.shadow(accepted, drafted, label)
         if self.adaptive:
             self._rounds.append((fed - drafted, drafted, seconds))
             self._fit()
@@ -201,13 +236,21 @@ class DraftLength:
         self._slope = max(_weighted_median(dt[paired] / dx[paired], dx[paired] ** 2), 0.0)
         self._base = float(np.median(seconds - self._slope * x))
 
-    def shadow(self, accepted: int, tested: int) -> None:
-        """Counts ``tested`` draft tokens of which the first ``accepted`` were kept, the rest not
-        reached after a rejection (also for a proposal checked against the emitted text)."""
-        self._shadowed += tested
-        failures = 1 if accepted < tested else 0
-        self._kept = self._kept * _ACCEPT_DECAY + accepted
-        self._tested = self._tested * _ACCEPT_DECAY + accepted + failures
+    def shadow(self, accepted: int, tested: int, label: int = 0) -> None:
+        """Counts ``tested`` draft tokens of a proposal labelled ``label``, of which the first
+        ``accepted`` were kept, the rest not reached after a rejection (also for a proposal checked
+        against the emitted text)."""
+        first = self._first.setdefault(label, [_PRIOR_KEPT, _PRIOR_TESTED])
+        _add(first, accepted > 0, 1)
+        if accepted and tested > 1:
+            later = accepted - 1
+            _add(self._later, later, later + (accepted < tested))
+
+
+def _add(estimate: list[float], kept: int, tested: int) -> None:
+    """Adds ``kept`` successes of ``tested`` trials to ``[kept, tested]``, older ones decayed."""
+    estimate[0] = estimate[0] * _ACCEPT_DECAY + kept
+    estimate[1] = estimate[1] * _ACCEPT_DECAY + tested
 
 
 def _weighted_median(values: np.ndarray, weights: np.ndarray) -> float:

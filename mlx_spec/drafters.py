@@ -105,11 +105,22 @@ class Draft:
             (any ``V_d``: the loop pads or cuts them to the target's vocabulary); ``None`` for
             deterministic drafts (a point mass on each token).
         steps (int): model calls made to propose them, for the choice of draft lengths.
+        label (int): the kind of proposal, for the choice of draft lengths, which estimates how
+            often a first draft token is kept for each label apart (prompt lookup: the length of
+            the n-gram it matched). Default: 0.
     """
 
     tokens: mx.array
     probs: mx.array | None = None
     steps: int = 0
+    label: int = 0
+
+    def head(self, n: int) -> Draft:
+        """Draft: its first ``n`` tokens (and their distributions)."""
+        if n >= self.size:
+            return self
+        probs = None if self.probs is None else self.probs[:n]
+        return Draft(self.tokens[:n], probs, self.steps, self.label)
 
     @property
     def size(self) -> int:
@@ -381,17 +392,19 @@ class PromptLookupDrafter(Drafter):
         if gram is None:
             return _EMPTY
         start = self._index.last[gram]
-        return Draft(mx.array(ids[start : start + n], dtype=mx.uint32))
+        return Draft(mx.array(ids[start : start + n], dtype=mx.uint32), label=len(gram))
 
     def _draw(self, n: int) -> Draft:
         """Draws up to ``n`` tokens, each from the continuations of the n-gram it follows."""
         suffix = self._index.ids[-self.max_ngram :]
         tokens: list[int] = []
         rows: list[tuple[np.ndarray, np.ndarray]] = []
+        label = 0
         for _ in range(n):
             gram = self._index.match(suffix)
             if gram is None:
                 break
+            label = label or len(gram)
             counts = self._index.counts[gram]
             support = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
             weights = np.fromiter(counts.values(), dtype=np.float64, count=len(counts))
@@ -406,4 +419,4 @@ class PromptLookupDrafter(Drafter):
         dense = np.zeros((len(rows), width), dtype=np.float32)
         for i, (support, weights) in enumerate(rows):
             dense[i, support] = weights
-        return Draft(mx.array(tokens, dtype=mx.uint32), mx.array(dense))
+        return Draft(mx.array(tokens, dtype=mx.uint32), mx.array(dense), label=label)

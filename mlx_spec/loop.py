@@ -212,6 +212,8 @@ class Generation:
         #: The plain steps of the next stretch (see :meth:`stretch`).
         self.next_stretch = STRETCH
         self._microseconds = 0
+        # A free drafter's proposal made by plan for the next round (see plan).
+        self._proposal: Draft | None = None
 
     def plan(self, remaining: int) -> int:
         """The number of draft tokens of the next round (0 with adaptive lengths: a stretch of
@@ -221,8 +223,20 @@ class Generation:
             remaining (int): the most tokens the next round may emit, ``>= 1``.
         """
         pending = len(self.text) - self.target.cache.length
-        cap = min(remaining - 1, self.target.room() - pending)
-        return self.lengths.choose(pending, max(cap, 0), self.target.cache.replays)
+        cap = max(min(remaining - 1, self.target.room() - pending), 0)
+        replays = self.target.cache.replays
+        self._proposal = None
+        if self.stretches and self.drafter.free:
+            # A free proposal first: with nothing to propose the next tokens are plain steps, and
+            # its label tells how often such a proposal is kept. N depends on the label, which
+            # the text decides, never on the tokens drawn, so a sampled proposal stays exact.
+            proposal = self.drafter.propose(self.text, min(self.lengths.most, cap), None)
+            if proposal.size == 0:
+                self.lengths.measuring = False
+                return 0
+            self._proposal = proposal
+            return self.lengths.choose(pending, cap, replays, proposal.label)
+        return self.lengths.choose(pending, cap, replays)
 
     @property
     def stretches(self) -> bool:
@@ -248,7 +262,10 @@ class Generation:
         draft_key = verify_key = None
         if self.rule.random:
             self.key, draft_key, verify_key = mx.random.split(self.key, 3)
-        draft = self.drafter.propose(self.text, n, draft_key)
+        if self._proposal is not None:
+            draft = self._proposal.head(n)
+        else:
+            draft = self.drafter.propose(self.text, n, draft_key)
         # Nothing to verify: a free drafter is still asked, to measure its acceptance.
         shadow = (
             self.drafter.propose(self.text, 1, None)
@@ -275,7 +292,7 @@ class Generation:
         self.target.keep(length + kept)
         self.drafter.update(self.text, kept)
         if shadow is not None and shadow.size:
-            self.lengths.shadow(int(values[3 + draft.size] == token), 1)
+            self.lengths.shadow(int(values[3 + draft.size] == token), 1, shadow.label)
         self.stats.rounds += 1
         self.stats.drafted += draft.size
         self.stats.accepted += accepted
@@ -283,7 +300,7 @@ class Generation:
         counts = (draft.size, accepted, pending + draft.size, draft.steps)
         seconds = time.perf_counter() - start
         if self.group is None:
-            self.lengths.record(*counts, seconds)
+            self.lengths.record(*counts, seconds, draft.label)
         else:
             if self._unrecorded is not None:
                 self.lengths.record(*self._unrecorded, values[-1] / 1e6)
@@ -298,7 +315,9 @@ class Generation:
         Each step draws its token as a round without drafts would (the same keys), so the text
         is the one rounds would give. A free drafter's proposals are still checked against the
         tokens (its acceptance, measured without verifying it); unless one of them was right, the
-        next stretch is twice as long (see :data:`LONGEST_STRETCH`).
+        next stretch is twice as long (see :data:`LONGEST_STRETCH`). A proposal of a kind worth
+        verifying (:meth:`DraftLength.pays`) ends the stretch after its step, unless the stretch
+        measures what plain steps cost.
 
         Yields:
             tuple[int, array]: each token and its ``[V]`` log-probabilities (lazy); the stretch
@@ -310,34 +329,44 @@ class Generation:
         # The text up to each step, for the processors only (else no graph grows with the steps).
         context = self.text.array() if self.target.processors else None
         made = hits = 0
+        ended = False
+        replays = self.target.cache.replays
         step = self._plain_step(self.text.tokens(held), context)
         while step is not None:
             result, logprobs = step
             made += 1
+            guess = self.drafter.propose(self.text, 1, None) if self.drafter.free else _NONE
+            # A proposal worth verifying: after this step, a round drafts on from where it goes.
+            ended = bool(guess.size) and not self.lengths.measuring
+            ended = ended and self.lengths.pays(guess.label, replays)
             ahead = None
-            if made < count:
+            if made < count and not ended:
                 # The next step, built on the lazy token: it computes while this one is read.
                 if context is not None:
                     context = mx.concatenate([context, result[1:2]])
                 ahead = self._plain_step(result[1:2], context)
-            guess = self.drafter.propose(self.text, 1, None) if self.drafter.free else _NONE
             # The step's one read, of the result alone: a new op on it (a concatenation, say)
             # would queue behind the step ahead, and the read would wait for both.
             token = result.tolist()[1]
             check_next("speculative_generate_step", token)
             self.text.extend([token])
+            # The drafter follows the text (prompt lookup's index), so the next guess is current.
+            self.drafter.update(self.text, 0)
             if guess.size:
                 right = guess.tokens.tolist()[0] == token
                 hits += right
-                self.lengths.shadow(int(right), 1)
+                self.lengths.shadow(int(right), 1, guess.label)
             self.stats.rounds += 1
             yield token, logprobs[0]
             if token in self.eos_set:
                 break
             step = ahead
-        self.drafter.update(self.text, 0)
-        self.lengths.record_plain((time.perf_counter() - start) / made)
-        self.next_stretch = STRETCH if hits else min(2 * self.next_stretch, LONGEST_STRETCH)
+        cut = ended and made < count
+        if not cut:
+            # A stretch cut short is mostly its unpipelined first step: not what plain steps cost.
+            self.lengths.record_plain((time.perf_counter() - start) / made)
+        grow = not (hits or cut)
+        self.next_stretch = min(2 * self.next_stretch, LONGEST_STRETCH) if grow else STRETCH
 
     def _plain_step(self, inputs: mx.array, context: mx.array | None) -> tuple[mx.array, mx.array]:
         """The lazy ``[3]`` result and ``[1, V]`` log-probabilities of one plain step, started."""

@@ -65,11 +65,9 @@ def test_generation_quick_on_the_hybrid_pair_compares_the_replay(tmp_path):
 
 
 @functools.cache
-def generation_script():
-    """``benchmarks/generation.py`` as a module."""
-    spec = importlib.util.spec_from_file_location(
-        "benchmark_generation", BENCHMARKS / "generation.py"
-    )
+def benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
@@ -79,7 +77,7 @@ def generation_script():
 def forced_stats(model, wrong) -> SpeculativeStats:
     """Greedy speculation with ``N = 3`` and the forced drafter of ``model`` for ``wrong``."""
     prompt = mx.array([1, 2, 3, 4, 5])
-    drafter = generation_script().forced(model, [prompt], 44, wrong)(prompt)
+    drafter = benchmark("generation").forced(model, [prompt], 44, wrong)(prompt)
     stats = SpeculativeStats()
     for _ in speculative_generate_step(
         prompt, model, num_draft_tokens=3, max_tokens=40, drafter=drafter, stats=stats
@@ -115,3 +113,26 @@ def test_proposal_cost_table():
         )
         share = float(row["proposal / round"].rstrip("%"))
         assert abs(share - 100 * proposal * 1e-6 / (round_time * 1e-3)) <= 0.01
+
+
+@pytest.mark.slow
+def test_adaptive_lookup_keeps_up_with_fixed_lengths_under_modelled_gpu_costs() -> None:
+    # The demo target copying its prompt (GROUNDED[1]) and writing freely (PROMPTS[0]), greedy,
+    # every round and plain step charged the GPU's modelled cost (benchmarks/draft_length.py):
+    # the adaptive length must do about as well as the best fixed N on the copy (within 10%: in
+    # 128 tokens its first rounds and the one stretch that measures plain steps cost about 8%),
+    # and must not cost more than a few percent against plain decoding where lookup rarely helps.
+    model = benchmark("draft_length")
+    pair = benchmark("generation").build_pair("demo", 2)
+    costs = model.DEVICES["gpu"]
+
+    def rate(prompt, n, adaptive=False):
+        return model.modelled_rate(
+            pair.target, prompt, 0.0, n, costs, drafter="prompt-lookup", adaptive=adaptive
+        )[0]
+
+    copy, open_prompt = pair.workloads["input-grounded"][1], pair.workloads["open"][0]
+    best = max(rate(copy, n) for n in (1, 2, 4, 8))
+    assert best > 1.5  # the copy is worth drafting: the comparison is not vacuous
+    assert rate(copy, 8, adaptive=True) >= 0.9 * best
+    assert rate(open_prompt, 8, adaptive=True) >= 0.95

@@ -506,15 +506,59 @@ def test_adaptive_length_recovers_from_a_first_round_far_too_slow() -> None:
     assert np.median(chosen[-100:]) >= 7
 
 
-def test_adaptive_lookup_that_proposes_nothing_runs_plain_stretches() -> None:
-    # Prompt lookup on text with no repeats: a round drafts nothing, then stretches follow until
-    # a proposal is checked.
+def test_acceptance_is_estimated_for_each_label_apart() -> None:
+    # Prompt lookup's proposals from a 3-gram always kept, from a 1-gram never: on a GPU-like cost
+    # (a round costs 2.3 plain steps) only the first kind is worth verifying.
     lengths = DraftLength(8, adaptive=True, free=True, stretches=True)
-    assert lengths.choose(1, 64) == 8
-    lengths.record(0, 0, 1, 0, 1.0)
-    assert [lengths.choose(1, 64) for _ in range(5)] == [0] * 5
-    lengths.shadow(1, 1)  # a right guess in a stretch: a mean of 3/4
-    assert lengths.choose(1, 64) > 0
+    lengths.record(8, 8, 9, 0, 2.3 + 0.08 * 9, label=3)
+    lengths.record(1, 0, 2, 0, 2.3 + 0.08 * 2, label=1)
+    lengths.record_plain(1.0)
+    for _ in range(20):
+        lengths.shadow(1, 1, label=3)
+        lengths.shadow(0, 1, label=1)
+    assert lengths.acceptance(3)[0] > 0.9 > 0.1 > lengths.acceptance(1)[0]
+    assert lengths.pays(3) and not lengths.pays(1)
+    assert lengths.choose(1, 64, label=3) >= 7
+    # A later draft token's chance is shared: one kept copy of 8 tokens raised it for all labels.
+    assert lengths.acceptance(1)[1] == lengths.acceptance(3)[1] > 0.8
+
+
+def test_stretch_guesses_follow_the_text(target, monkeypatch) -> None:
+    # In a stretch of plain steps, prompt lookup's guess for each token must come from the text
+    # up to it (its acceptance is measured from these guesses), not from where the stretch began.
+    seen = []
+    propose = PromptLookupDrafter.propose
+
+    def spy(self, text, n, key):
+        seen.append(len(self._index.ids) == len(text))
+        return propose(self, text, n, key)
+
+    monkeypatch.setattr(PromptLookupDrafter, "propose", spy)
+    monkeypatch.setattr(DraftLength, "pays", lambda self, label, replays=False: False)
+    run(PROMPT, target, None, drafter="prompt-lookup", adaptive=True, max_tokens=200)
+    assert len(seen) > 100 and all(seen)
+
+
+def test_stretches_cut_short_by_a_proposal_stay_lossless(target, greedy_reference, monkeypatch):
+    # Every proposal worth verifying: each stretch ends after the step of its first guess, with
+    # no step built ahead; the text is still plain greedy decoding's.
+    ends = []
+    stretch = loop.Generation.stretch
+
+    def counted(self, count):
+        made = 0
+        for step in stretch(self, count):
+            made += 1
+            yield step
+        ends.append(made < count)
+
+    monkeypatch.setattr(loop.Generation, "stretch", counted)
+    monkeypatch.setattr(DraftLength, "pays", lambda self, label, replays=False: True)
+    tokens, _, stats = run(
+        PROMPT, target, None, drafter="prompt-lookup", adaptive=True, max_tokens=300
+    )
+    assert tokens == greedy_reference
+    assert sum(ends) > 5 and stats.drafted > 0
 
 
 def test_fixed_length_flushes_replays_that_grew() -> None:
