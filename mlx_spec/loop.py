@@ -315,9 +315,9 @@ class Generation:
         Each step draws its token as a round without drafts would (the same keys), so the text
         is the one rounds would give. A free drafter's proposals are still checked against the
         tokens (its acceptance, measured without verifying it); unless one of them was right, the
-        next stretch is twice as long (see :data:`LONGEST_STRETCH`). A proposal of a kind worth
-        verifying (:meth:`DraftLength.pays`) ends the stretch after its step, unless the stretch
-        measures what plain steps cost.
+        next stretch is twice as long (see :data:`LONGEST_STRETCH`). A right guess of a kind worth
+        verifying (:meth:`DraftLength.pays`) ends the stretch after the step already started,
+        unless the stretch measures what plain steps cost.
 
         Yields:
             tuple[int, array]: each token and its ``[V]`` log-probabilities (lazy); the stretch
@@ -329,22 +329,20 @@ class Generation:
         # The text up to each step, for the processors only (else no graph grows with the steps).
         context = self.text.array() if self.target.processors else None
         made = hits = 0
-        ended = False
+        # The steps this stretch runs: fewer once a copy begins (below).
+        last = count
         replays = self.target.cache.replays
         step = self._plain_step(self.text.tokens(held), context)
         while step is not None:
             result, logprobs = step
             made += 1
-            guess = self.drafter.propose(self.text, 1, None) if self.drafter.free else _NONE
-            # A proposal worth verifying: after this step, a round drafts on from where it goes.
-            ended = bool(guess.size) and not self.lengths.measuring
-            ended = ended and self.lengths.pays(guess.label, replays)
             ahead = None
-            if made < count and not ended:
+            if made < last:
                 # The next step, built on the lazy token: it computes while this one is read.
                 if context is not None:
                     context = mx.concatenate([context, result[1:2]])
                 ahead = self._plain_step(result[1:2], context)
+            guess = self.drafter.propose(self.text, 1, None) if self.drafter.free else _NONE
             # The step's one read, of the result alone: a new op on it (a concatenation, say)
             # would queue behind the step ahead, and the read would wait for both.
             token = result.tolist()[1]
@@ -356,17 +354,22 @@ class Generation:
                 right = guess.tokens.tolist()[0] == token
                 hits += right
                 self.lengths.shadow(int(right), 1, guess.label)
+                if right and made + 1 < last and not self.lengths.measuring:
+                    if self.lengths.pays(guess.label, replays):
+                        # A copy begins: the step already started ends the stretch, and a round
+                        # drafts on from there.
+                        last = made + 1
             self.stats.rounds += 1
             yield token, logprobs[0]
             if token in self.eos_set:
                 break
             step = ahead
-        cut = ended and made < count
+        cut = last < count
         if not cut:
-            # A stretch cut short is mostly its unpipelined first step: not what plain steps cost.
+            # A stretch cut short is mostly its first steps, unpipelined: not what plain steps
+            # cost once they run.
             self.lengths.record_plain((time.perf_counter() - start) / made)
-        grow = not (hits or cut)
-        self.next_stretch = min(2 * self.next_stretch, LONGEST_STRETCH) if grow else STRETCH
+        self.next_stretch = STRETCH if hits else min(2 * self.next_stretch, LONGEST_STRETCH)
 
     def _plain_step(self, inputs: mx.array, context: mx.array | None) -> tuple[mx.array, mx.array]:
         """The lazy ``[3]`` result and ``[1, V]`` log-probabilities of one plain step, started."""

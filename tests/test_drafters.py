@@ -540,8 +540,8 @@ def test_stretch_guesses_follow_the_text(target, monkeypatch) -> None:
 
 
 def test_stretches_cut_short_by_a_proposal_stay_lossless(target, greedy_reference, monkeypatch):
-    # Every proposal worth verifying: each stretch ends after the step of its first guess, with
-    # no step built ahead; the text is still plain greedy decoding's.
+    # Every proposal worth verifying: each stretch ends after the step started when a guess was
+    # right, with no further step built ahead; the text is still plain greedy decoding's.
     ends = []
     stretch = loop.Generation.stretch
 
@@ -558,7 +558,7 @@ def test_stretches_cut_short_by_a_proposal_stay_lossless(target, greedy_referenc
         PROMPT, target, None, drafter="prompt-lookup", adaptive=True, max_tokens=300
     )
     assert tokens == greedy_reference
-    assert sum(ends) > 5 and stats.drafted > 0
+    assert sum(ends) >= 3 and stats.drafted > 0
 
 
 def test_fixed_length_flushes_replays_that_grew() -> None:
