@@ -369,7 +369,9 @@ class Generation:
             # A stretch cut short is mostly its first steps, unpipelined: not what plain steps
             # cost once they run.
             self.lengths.record_plain((time.perf_counter() - start) / made)
-        self.next_stretch = STRETCH if hits else min(2 * self.next_stretch, LONGEST_STRETCH)
+        # Without a free drafter's guesses nothing says drafting would still not pay: no doubling.
+        grow = self.drafter.free and not hits
+        self.next_stretch = min(2 * self.next_stretch, LONGEST_STRETCH) if grow else STRETCH
 
     def _plain_step(self, inputs: mx.array, context: mx.array | None) -> tuple[mx.array, mx.array]:
         """The lazy ``[3]`` result and ``[1, V]`` log-probabilities of one plain step, started."""

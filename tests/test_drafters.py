@@ -200,6 +200,30 @@ def test_stretches_of_plain_steps_give_the_tokens_of_rounds_without_drafts(
     assert fixed.rounds == adaptive.rounds == 150 and adaptive.drafted == 0
 
 
+class Guessing(Drafter):
+    """Proposes token 0 ``n`` times, at no model call but not ``free``: as a draft model would,
+    it is never asked for guesses in stretches."""
+
+    def propose(self, text, n, key) -> Draft:
+        return Draft(mx.zeros((n,), dtype=mx.uint32))
+
+
+@pytest.mark.parametrize(("drafter", "longest"), [(Silent, 64), (Guessing, 8)])
+def test_stretches_grow_only_while_a_free_drafters_guesses_miss(
+    target, drafter, longest, monkeypatch
+) -> None:
+    # Drafting never pays (exploration aside). Without guesses checked against the text (a draft
+    # model), nothing says it still would not: the choice is asked again every 8 tokens.
+    counts = []
+    stretch = loop.Generation.stretch
+    monkeypatch.setattr(
+        loop.Generation, "stretch", lambda self, count: counts.append(count) or stretch(self, count)
+    )
+    monkeypatch.setattr(DraftLength, "_best", lambda self, *args: 0)
+    run(PROMPT, target, None, drafter=drafter(), adaptive=True, max_tokens=250)
+    assert max(counts) == longest
+
+
 def test_a_stretch_stopped_early_leaves_the_prompt_and_yielded_tokens(
     target, greedy_reference
 ) -> None:
@@ -487,8 +511,9 @@ def test_adaptive_length_is_moderate_when_positions_cost() -> None:
 
 def test_adaptive_length_recovers_from_a_first_round_far_too_slow() -> None:
     # A GPU-like cost, drafts kept 90% of the time and plain steps (in stretches) at 0.6 a token:
-    # drafting the most pays (about 6 tokens for 1.4). The first round, a first use, takes 6
-    # more: the first slope says drafting does not pay, and later pairs must correct it.
+    # drafting the most pays (about 6 tokens for 1.4). The first round at each length is not
+    # timed; the third, a late first use, takes 6 more: the slope it gives says drafting does not
+    # pay, and later pairs must correct it.
     lengths = DraftLength(8, adaptive=True, stretches=True)
     uniforms = iter(np.random.default_rng(0).random(20_000))
     chosen = []
@@ -501,7 +526,7 @@ def test_adaptive_length_recovers_from_a_first_round_far_too_slow() -> None:
         accepted = 0
         while accepted < n and next(uniforms) < 0.9:
             accepted += 1
-        lengths.record(n, accepted, 1 + n, n, 1.0 + 0.05 * n + (6.0 if i == 0 else 0.0))
+        lengths.record(n, accepted, 1 + n, n, 1.0 + 0.05 * n + (6.0 if i == 2 else 0.0))
     assert chosen[1:20].count(0) > 0  # the outlier did mislead it at first
     assert np.median(chosen[-100:]) >= 7
 
@@ -510,13 +535,15 @@ def test_acceptance_is_estimated_for_each_label_apart() -> None:
     # Prompt lookup's proposals from a 3-gram always kept, from a 1-gram never: on a GPU-like cost
     # (a round costs 2.3 plain steps) only the first kind is worth verifying.
     lengths = DraftLength(8, adaptive=True, free=True, stretches=True)
-    lengths.record(8, 8, 9, 0, 2.3 + 0.08 * 9, label=3)
-    lengths.record(1, 0, 2, 0, 2.3 + 0.08 * 2, label=1)
+    for _ in range(2):  # the first round of each length is not timed (a first use)
+        lengths.record(8, 8, 9, 0, 2.3 + 0.08 * 9, label=3)
+        lengths.record(1, 0, 2, 0, 2.3 + 0.08 * 2, label=1)
     lengths.record_plain(1.0)
     for _ in range(20):
         lengths.shadow(1, 1, label=3)
         lengths.shadow(0, 1, label=1)
     assert lengths.acceptance(3)[0] > 0.9 > 0.1 > lengths.acceptance(1)[0]
+    assert lengths.cost(1, 8) == pytest.approx(2.3 + 0.08 * 9)
     assert lengths.pays(3) and not lengths.pays(1)
     assert lengths.choose(1, 64, label=3) >= 7
     # A later draft token's chance is shared: one kept copy of 8 tokens raised it for all labels.
