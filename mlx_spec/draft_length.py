@@ -29,8 +29,7 @@ one token in turn (a pair far apart, which measures the slope again); and the lo
 free drafter (prompt lookup) for a proposal and checks it against the token the target emits,
 which measures its acceptance without verifying it; the stretch of plain steps ends as soon as a
 proposal of a kind that pays comes. The first rounds draft the most and one token in turn, until
-the slope is measured; the first round of each length is not timed, since it pays for first uses
-(kernels compiled for its shapes).
+the slope is measured.
 
 A target whose caches are restored after a rejection (recurrent layers) feeds again, in the next
 call, everything since its last fully kept round; the choice counts that future cost too, and a
@@ -93,8 +92,6 @@ class DraftLength:
         # (pending, drafted, seconds) of the recent rounds, oldest first.
         self._rounds: deque[tuple[int, int, float]] = deque(maxlen=_COST_WINDOW)
         self._base = self._slope = None
-        # The draft lengths of the rounds so far.
-        self._lengths_seen: set[int] = set()
         # Seconds a token of the recent stretches of plain steps (see mlx_spec.loop).
         self._plain: deque[float] = deque(maxlen=_PLAIN_WINDOW)
         self._count = 0
@@ -216,11 +213,7 @@ class DraftLength:
         self._kept_all = drafted > 0 and accepted == drafted
         if drafted:
             self.shadow(accepted, drafted, label)
-        if self.adaptive and drafted not in self._lengths_seen:
-            # The first round of each length pays for first uses (kernels compiled for its
-            # shapes, on a GPU): its time says little about the next ones.
-            self._lengths_seen.add(drafted)
-        elif self.adaptive:
+        if self.adaptive:
             self._rounds.append((fed - drafted, drafted, seconds))
             self._fit()
 

@@ -511,9 +511,8 @@ def test_adaptive_length_is_moderate_when_positions_cost() -> None:
 
 def test_adaptive_length_recovers_from_a_first_round_far_too_slow() -> None:
     # A GPU-like cost, drafts kept 90% of the time and plain steps (in stretches) at 0.6 a token:
-    # drafting the most pays (about 6 tokens for 1.4). The first round at each length is not
-    # timed; the third, a late first use, takes 6 more: the slope it gives says drafting does not
-    # pay, and later pairs must correct it.
+    # drafting the most pays (about 6 tokens for 1.4). The first round, a first use, takes 6
+    # more: the first slope says drafting does not pay, and later pairs must correct it.
     lengths = DraftLength(8, adaptive=True, stretches=True)
     uniforms = iter(np.random.default_rng(0).random(20_000))
     chosen = []
@@ -526,7 +525,7 @@ def test_adaptive_length_recovers_from_a_first_round_far_too_slow() -> None:
         accepted = 0
         while accepted < n and next(uniforms) < 0.9:
             accepted += 1
-        lengths.record(n, accepted, 1 + n, n, 1.0 + 0.05 * n + (6.0 if i == 2 else 0.0))
+        lengths.record(n, accepted, 1 + n, n, 1.0 + 0.05 * n + (6.0 if i == 0 else 0.0))
     assert chosen[1:20].count(0) > 0  # the outlier did mislead it at first
     assert np.median(chosen[-100:]) >= 7
 
@@ -535,9 +534,8 @@ def test_acceptance_is_estimated_for_each_label_apart() -> None:
     # Prompt lookup's proposals from a 3-gram always kept, from a 1-gram never: on a GPU-like cost
     # (a round costs 2.3 plain steps) only the first kind is worth verifying.
     lengths = DraftLength(8, adaptive=True, free=True, stretches=True)
-    for _ in range(2):  # the first round of each length is not timed (a first use)
-        lengths.record(8, 8, 9, 0, 2.3 + 0.08 * 9, label=3)
-        lengths.record(1, 0, 2, 0, 2.3 + 0.08 * 2, label=1)
+    lengths.record(8, 8, 9, 0, 2.3 + 0.08 * 9, label=3)
+    lengths.record(1, 0, 2, 0, 2.3 + 0.08 * 2, label=1)
     lengths.record_plain(1.0)
     for _ in range(20):
         lengths.shadow(1, 1, label=3)
