@@ -40,8 +40,9 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 StreamLike = mx.Stream | mx.ThreadLocalStream | mx.Device
 
 #: Plain steps a stretch runs before the draft length is chosen again (when drafting does not pay).
-#: Consecutive stretches double up to LONGEST_STRETCH while a free drafter's proposals all miss:
-#: each stretch starts its pipeline anew, and its first step waits for nothing in flight.
+#: Consecutive stretches double up to LONGEST_STRETCH while no guess of a free drafter is right (a
+#: draft model makes none): each stretch starts its pipeline anew, and its first step waits for
+#: nothing in flight.
 STRETCH = 8
 LONGEST_STRETCH = 64
 
@@ -369,9 +370,7 @@ class Generation:
             # A stretch cut short is mostly its first steps, unpipelined: not what plain steps
             # cost once they run.
             self.lengths.record_plain((time.perf_counter() - start) / made)
-        # Without a free drafter's guesses nothing says drafting would still not pay: no doubling.
-        grow = self.drafter.free and not hits
-        self.next_stretch = min(2 * self.next_stretch, LONGEST_STRETCH) if grow else STRETCH
+        self.next_stretch = STRETCH if hits else min(2 * self.next_stretch, LONGEST_STRETCH)
 
     def _plain_step(self, inputs: mx.array, context: mx.array | None) -> tuple[mx.array, mx.array]:
         """The lazy ``[3]`` result and ``[1, V]`` log-probabilities of one plain step, started."""

@@ -200,30 +200,6 @@ def test_stretches_of_plain_steps_give_the_tokens_of_rounds_without_drafts(
     assert fixed.rounds == adaptive.rounds == 150 and adaptive.drafted == 0
 
 
-class Guessing(Drafter):
-    """Proposes token 0 ``n`` times, at no model call but not ``free``: as a draft model would,
-    it is never asked for guesses in stretches."""
-
-    def propose(self, text, n, key) -> Draft:
-        return Draft(mx.zeros((n,), dtype=mx.uint32))
-
-
-@pytest.mark.parametrize(("drafter", "longest"), [(Silent, 64), (Guessing, 8)])
-def test_stretches_grow_only_while_a_free_drafters_guesses_miss(
-    target, drafter, longest, monkeypatch
-) -> None:
-    # Drafting never pays (exploration aside). Without guesses checked against the text (a draft
-    # model), nothing says it still would not: the choice is asked again every 8 tokens.
-    counts = []
-    stretch = loop.Generation.stretch
-    monkeypatch.setattr(
-        loop.Generation, "stretch", lambda self, count: counts.append(count) or stretch(self, count)
-    )
-    monkeypatch.setattr(DraftLength, "_best", lambda self, *args: 0)
-    run(PROMPT, target, None, drafter=drafter(), adaptive=True, max_tokens=250)
-    assert max(counts) == longest
-
-
 def test_a_stretch_stopped_early_leaves_the_prompt_and_yielded_tokens(
     target, greedy_reference
 ) -> None:
