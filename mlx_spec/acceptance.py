@@ -208,13 +208,35 @@ def accept_greedy(
     fused = check_flag(op, "fused", fused)
     stream = check_stream(op, stream)
     with _on(stream):
-        if _use_fused(op, fused, stream):
-            return _fused_greedy_graph(
-                logits,
-                draft if n else kernels.no_id(),
-                kernels.no_id() if eos is None else eos,
-            )
-        return _greedy_graph(device_type(stream) == mx.DeviceType.cpu)(logits, draft, eos)
+        fused = _use_fused(op, fused, stream)
+        on_cpu = device_type(stream) == mx.DeviceType.cpu
+        return greedy_decision(logits, draft, eos, fused=fused, on_cpu=on_cpu)
+
+
+def greedy_decision(
+    logits: mx.array, draft: mx.array, eos: mx.array | None, *, fused: bool, on_cpu: bool
+) -> mx.array:
+    """:func:`accept_greedy` on the default stream, without checking its arguments: for a caller
+    whose arguments are right by construction and that decides every step (the generation loop),
+    where the checks would cost more host time than building the graph.
+
+    Args:
+        logits (array): ``[N + 1, V]`` float target logits.
+        draft (array): ``[N]`` uint32 or int32 draft tokens.
+        eos (array, optional): ``[E]`` end-of-sequence ids, ``E >= 1``; ``None`` for none.
+        fused (bool): decide with the fused kernels (MLX's CUDA backend only).
+        on_cpu (bool): whether the default stream is on a CPU.
+
+    Returns:
+        array: the lazy ``[3]`` uint32 result of :func:`accept_greedy`.
+    """
+    if fused:
+        return _fused_greedy_graph(
+            logits,
+            draft if draft.shape[0] else kernels.no_id(),
+            kernels.no_id() if eos is None else eos,
+        )
+    return _greedy_graph(on_cpu)(logits, draft, eos)
 
 
 @_compile_per_thread
@@ -224,21 +246,29 @@ def _fused_greedy_graph(logits: mx.array, draft: mx.array, eos: mx.array) -> mx.
     return kernels.greedy(logits, draft, eos)
 
 
+def _argmax_rows(logits: mx.array, on_cpu: bool) -> tuple[mx.array, mx.array]:
+    """Each row's argmax (``[n]`` uint32) and whether the row fails to decide (``[n]`` bool).
+
+    A row decides only when its maximum is finite: argmax returns the index of a NaN when the
+    row has one, and a maximum of +inf (an overflow: which of the overflowed tokens is largest is
+    lost) or of -inf (no token allowed) picks a token that means nothing. One gather per row
+    finds them.
+    """
+    # MLX's CPU backend reduces half precision slower than it casts and reduces float32; the
+    # cast is exact, so the argmax is unchanged.
+    rows = logits.astype(mx.float32) if on_cpu else logits
+    choice = mx.argmax(rows, axis=-1)
+    invalid = ~mx.isfinite(mx.take_along_axis(rows, choice[:, None], axis=-1)[:, 0])
+    return choice, invalid
+
+
 @cache
 def _greedy_graph(on_cpu: bool) -> Callable[..., mx.array]:
     """The compiled greedy graph for one backend (compiled once per thread, traced once per
     shape)."""
 
     def greedy(logits: mx.array, draft: mx.array, eos: mx.array | None) -> mx.array:
-        # MLX's CPU backend reduces half precision slower than it casts and reduces float32; the
-        # cast is exact, so the argmax is unchanged.
-        rows = logits.astype(mx.float32) if on_cpu else logits
-        choice = mx.argmax(rows, axis=-1)
-        # A row decides only when its maximum is finite: argmax returns the index of a NaN when the
-        # row has one, and a maximum of +inf (an overflow: which of the overflowed tokens is
-        # largest is lost) or of -inf (no token allowed) picks a token that means nothing. One
-        # gather per row finds them.
-        invalid = ~mx.isfinite(mx.take_along_axis(rows, choice[:, None], axis=-1)[:, 0])
+        choice, invalid = _argmax_rows(logits, on_cpu)
         n = draft.shape[0]
         draft = _uint32(draft)
         ok = mx.logical_and(draft == choice[:n], ~invalid[:n])
@@ -249,6 +279,32 @@ def _greedy_graph(on_cpu: bool) -> Callable[..., mx.array]:
         return _result(accepted, eos_in_draft, mx.take(candidates, accepted), eos)
 
     return _compile_per_thread(greedy)
+
+
+@cache
+def _greedy_token_graph(on_cpu: bool) -> Callable[[mx.array], tuple[mx.array, mx.array]]:
+    def token(logits: mx.array) -> tuple[mx.array, mx.array]:
+        choice, invalid = _argmax_rows(logits, on_cpu)
+        return mx.where(invalid, INVALID_ROW, choice), choice
+
+    return _compile_per_thread(token)
+
+
+def greedy_token(logits: mx.array, *, on_cpu: bool) -> tuple[mx.array, mx.array]:
+    """The token of a plain greedy step, which has no draft to decide: the ``next`` of
+    :func:`accept_greedy` at ``N = 0`` in fewer operations, unchecked (see
+    :func:`greedy_decision`).
+
+    Args:
+        logits (array): ``[1, V]`` float target logits.
+        on_cpu (bool): whether the default stream is on a CPU.
+
+    Returns:
+        tuple[array, array]: the lazy ``[1]`` uint32 token, :data:`INVALID_ROW` where the row
+        has no finite maximum; and the ``[1]`` uint32 argmax, an id to feed the model in either
+        case.
+    """
+    return _greedy_token_graph(on_cpu)(logits)
 
 
 def _block_count(v: int) -> int:
@@ -431,9 +487,36 @@ def accept_sampled(
     fused = check_flag(op, "fused", fused)
     stream = check_stream(op, stream)
     with _on(stream):
-        if _use_fused(op, fused, stream, v):
-            return _fused_sampled_graph(probs, draft, q, eos, key)
-        return _sampled_graph(probs, draft, q, eos, key)
+        return sampled_decision(probs, draft, q, eos, key, fused=_use_fused(op, fused, stream, v))
+
+
+def sampled_decision(
+    probs: mx.array,
+    draft: mx.array,
+    draft_probs: mx.array | None,
+    eos: mx.array | None,
+    key: mx.array,
+    *,
+    fused: bool,
+) -> mx.array:
+    """:func:`accept_sampled` on the default stream, without checking its arguments (see
+    :func:`greedy_decision`).
+
+    Args:
+        probs (array): ``[N + 1, V]`` float target distributions.
+        draft (array): ``[N]`` uint32 or int32 draft tokens.
+        draft_probs (array, optional): ``[N, V]`` float draft distributions; ``None`` for point
+            masses.
+        eos (array, optional): ``[E]`` end-of-sequence ids, ``E >= 1``; ``None`` for none.
+        key (array): ``[2]`` uint32 key.
+        fused (bool): decide with the fused kernel (MLX's CUDA backend, ``V <= 2**24`` only).
+
+    Returns:
+        array: the lazy ``[3]`` uint32 result of :func:`accept_sampled`.
+    """
+    if fused:
+        return _fused_sampled_graph(probs, draft, draft_probs, eos, key)
+    return _sampled_graph(probs, draft, draft_probs, eos, key)
 
 
 @_compile_per_thread

@@ -28,6 +28,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from . import kernels
+from ._checks import FLOAT_DTYPES, ID_DTYPES, describe
 from .acceptance import check_next
 from .caches import ModelCache, decode_masks
 from .draft_length import MAX_DRAFT_TOKENS, DraftLength
@@ -203,7 +204,9 @@ class Generation:
         self.eos_array = mx.array(eos, dtype=mx.uint32) if eos else None
         # The fused kernels where the loop's stream is on a CUDA GPU (the loop never vmaps). The
         # default device would not do: a CPU stream on a CUDA machine cannot run them.
-        self.fused = kernels.available(stream if isinstance(stream, mx.Device) else stream.device)
+        device = stream if isinstance(stream, mx.Device) else stream.device
+        self.fused = kernels.available(device)
+        self.on_cpu = device.type == mx.DeviceType.cpu
         self.key = key
         self.stats = stats
         # On a group, adaptive lengths are chosen from rank 0's times, which every rank reads a
@@ -231,7 +234,7 @@ class Generation:
             # A free proposal first: with nothing to propose the next tokens are plain steps, and
             # its label tells how often such a proposal is kept. N depends on the label, which
             # the text decides, never on the tokens drawn, so a sampled proposal stays exact.
-            proposal = self.drafter.propose(self.text, min(self.lengths.most, cap), None)
+            proposal = self._propose(min(self.lengths.most, cap), None)
             if proposal.size == 0:
                 self.lengths.measuring = False
                 return 0
@@ -266,16 +269,22 @@ class Generation:
         if self._proposal is not None:
             draft = self._proposal.head(n)
         else:
-            draft = self.drafter.propose(self.text, n, draft_key)
+            draft = self._propose(n, draft_key)
         # Nothing to verify: a free drafter is still asked, to measure its acceptance.
         shadow = (
-            self.drafter.propose(self.text, 1, None)
+            self._propose(1, None)
             if draft.size == 0 and self.lengths.adaptive and self.drafter.free
             else None
         )
         logits = self.target.verify(self.text, draft.tokens)
         result, logprobs = self.rule.decide(
-            logits, draft.tokens, draft.probs, self.eos_array, verify_key, fused=self.fused
+            logits,
+            draft.tokens,
+            draft.probs,
+            self.eos_array,
+            verify_key,
+            fused=self.fused,
+            on_cpu=self.on_cpu,
         )
         parts = [result, draft.tokens] + ([shadow.tokens] if shadow is not None else [])
         if self.group is not None:
@@ -335,18 +344,18 @@ class Generation:
         replays = self.target.cache.replays
         step = self._plain_step(self.text.tokens(held), context)
         while step is not None:
-            result, logprobs = step
+            lazy, fed, logprobs = step
             made += 1
             ahead = None
             if made < last:
                 # The next step, built on the lazy token: it computes while this one is read.
                 if context is not None:
-                    context = mx.concatenate([context, result[1:2]])
-                ahead = self._plain_step(result[1:2], context)
-            guess = self.drafter.propose(self.text, 1, None) if self.drafter.free else _NONE
-            # The step's one read, of the result alone: a new op on it (a concatenation, say)
+                    context = mx.concatenate([context, fed])
+                ahead = self._plain_step(fed, context)
+            guess = self._propose(1, None) if self.drafter.free else _NONE
+            # The step's one read, of the token alone: a new op on it (a concatenation, say)
             # would queue behind the step ahead, and the read would wait for both.
-            token = result.tolist()[1]
+            token = lazy.item()
             check_next("speculative_generate_step", token)
             self.text.extend([token])
             # The drafter follows the text (prompt lookup's index), so the next guess is current.
@@ -372,17 +381,31 @@ class Generation:
             self.lengths.record_plain((time.perf_counter() - start) / made)
         self.next_stretch = STRETCH if hits else min(2 * self.next_stretch, LONGEST_STRETCH)
 
-    def _plain_step(self, inputs: mx.array, context: mx.array | None) -> tuple[mx.array, mx.array]:
-        """The lazy ``[3]`` result and ``[1, V]`` log-probabilities of one plain step, started."""
-        verify_key = None
+    def _plain_step(
+        self, inputs: mx.array, context: mx.array | None
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """One plain step, started: the lazy ``[1]`` token, the ``[1]`` id to feed next and the
+        ``[1, V]`` log-probabilities (see :meth:`Rule.step`)."""
+        key = None
         if self.rule.random:
-            self.key, _, verify_key = mx.random.split(self.key, 3)
+            self.key, _, key = mx.random.split(self.key, 3)
         logits = self.target.step(inputs, context)
-        result, logprobs = self.rule.decide(
-            logits, _NONE.tokens, None, self.eos_array, verify_key, fused=self.fused
-        )
-        mx.async_eval(result)
-        return result, logprobs
+        token, fed, logprobs = self.rule.step(logits, key, fused=self.fused, on_cpu=self.on_cpu)
+        mx.async_eval(token)
+        return token, fed, logprobs
+
+    def _propose(self, n: int, key: mx.array | None) -> Draft:
+        """The drafter's proposal of at most ``n`` tokens, checked: the rule decides without
+        checking its arguments, so a drafter of one's own that returns something else gets a
+        ``ValueError`` naming it rather than a wrong round."""
+        draft = self.drafter.propose(self.text, n, key)
+        problem = _draft_problem(draft, n)
+        if problem:
+            raise ValueError(
+                f"speculative_generate_step: {type(self.drafter).__name__}.propose(text, {n}, "
+                f"key) must return a Draft of at most {n} tokens, got {problem}"
+            )
+        return draft
 
     def finish(self, consumed: int, feed: bool) -> None:
         """Leaves every cache holding the prompt and the ``consumed`` tokens; feeding what a
@@ -393,6 +416,27 @@ class Generation:
             self.target.feed(self.text.tokens(held, length))
         self.target.cache.forget()
         self.drafter.finish(self.text, length, feed)
+
+
+def _draft_problem(draft: object, n: int) -> str | None:
+    """What is wrong with a proposal of at most ``n`` tokens (``None``: nothing)."""
+    if not isinstance(draft, Draft):
+        return f"a {type(draft).__name__}"
+    tokens, probs = draft.tokens, draft.probs
+    if not isinstance(tokens, mx.array) or tokens.ndim != 1 or tokens.dtype not in ID_DTYPES:
+        what = describe(tokens) if isinstance(tokens, mx.array) else type(tokens).__name__
+        return f"tokens of {what} (need [n] uint32 or int32)"
+    if tokens.size > n:
+        return f"{tokens.size} tokens"
+    if probs is not None and (
+        not isinstance(probs, mx.array)
+        or probs.ndim != 2
+        or probs.shape[0] != tokens.size
+        or probs.dtype not in FLOAT_DTYPES
+    ):
+        what = describe(probs) if isinstance(probs, mx.array) else type(probs).__name__
+        return f"probs of {what} for {tokens.size} tokens (need [n, V_d] float)"
+    return None
 
 
 def run(

@@ -21,7 +21,8 @@ from typing import Any, Literal
 
 import mlx.core as mx
 
-from .acceptance import accept_greedy, accept_sampled
+from . import kernels
+from .acceptance import greedy_decision, greedy_token, sampled_decision
 
 __all__ = ["Rule", "make_rule"]
 
@@ -96,8 +97,10 @@ class Rule:
         key: mx.array | None,
         *,
         fused: bool,
+        on_cpu: bool,
     ) -> tuple[mx.array, mx.array]:
-        """The verification of one round.
+        """The verification of one round, its arguments unchecked (the loop checks each
+        proposal; see :func:`mlx_spec.acceptance.greedy_decision`).
 
         Args:
             logits (array): ``[N + 1, V]`` target logits (after logits processors).
@@ -106,7 +109,8 @@ class Rule:
                 (``None``: point masses); used by ``"sampled"`` only.
             eos (array, optional): ``[E]`` uint32 end-of-sequence ids.
             key (array, optional): ``[2]`` uint32 key; used by ``"sampled"`` only.
-            fused (bool): decide with the fused CUDA kernels.
+            fused (bool): decide with the fused CUDA kernels (where the vocabulary allows).
+            on_cpu (bool): whether the default stream is on a CPU.
 
         Returns:
             tuple: the lazy ``[3]`` uint32 ``[accepted, next, eos_hit]`` and the ``[N + 1, V]``
@@ -114,15 +118,42 @@ class Rule:
         """
         logprobs = _logprobs(logits)
         if self.kind == "greedy":
-            return accept_greedy(logits, draft, eos, fused=fused), logprobs
+            return greedy_decision(logits, draft, eos, fused=fused, on_cpu=on_cpu), logprobs
         if self.kind == "sampled":
-            q = None if draft_probs is None else _fit_vocab(draft_probs, logits.shape[-1])
+            v = logits.shape[-1]
+            q = None if draft_probs is None else _fit_vocab(draft_probs, v)
             probs = self.sampler.probs(logprobs)
-            return accept_sampled(probs, draft, q, eos, key, fused=fused), logprobs
+            fused = fused and v <= kernels.MAX_VOCAB
+            return sampled_decision(probs, draft, q, eos, key, fused=fused), logprobs
         # mlx-lm's rule: greedy acceptance of the one-hot rows of the target's own samples.
         picks = self.sampler(logprobs).astype(mx.uint32)
         one_hot = mx.arange(logits.shape[-1], dtype=mx.uint32)[None, :] == picks[:, None]
-        return accept_greedy(one_hot.astype(mx.float32), draft, eos, fused=fused), logprobs
+        rows = one_hot.astype(mx.float32)
+        return greedy_decision(rows, draft, eos, fused=fused, on_cpu=on_cpu), logprobs
+
+    def step(
+        self, logits: mx.array, key: mx.array | None, *, fused: bool, on_cpu: bool
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """The token of a plain step (a round without a draft), as :meth:`decide` draws it.
+
+        Args:
+            logits (array): ``[1, V]`` float target logits (after logits processors).
+            key (array, optional): ``[2]`` uint32 key; used by ``"sampled"`` only.
+            fused (bool): decide with the fused CUDA kernels (where the rule has them).
+            on_cpu (bool): whether the default stream is on a CPU.
+
+        Returns:
+            tuple: the lazy ``[1]`` uint32 token (:data:`mlx_spec.INVALID_ROW` where the row
+            cannot decide), a ``[1]`` uint32 id to feed the model next (the token, or a valid
+            id in place of a flagged one) and the ``[1, V]`` log-probabilities.
+        """
+        if self.kind == "greedy":
+            token, fed = greedy_token(logits, on_cpu=on_cpu)
+            return token, fed, _logprobs(logits)
+        none = mx.array([], dtype=mx.uint32)
+        result, logprobs = self.decide(logits, none, None, None, key, fused=fused, on_cpu=on_cpu)
+        token = result[1:2]
+        return token, mx.minimum(token, logits.shape[-1] - 1), logprobs
 
 
 def make_rule(sampler: Any) -> Rule:

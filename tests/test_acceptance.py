@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mlx_spec import INVALID_ROW, accept_greedy, accept_sampled, read
-from mlx_spec.acceptance import check_next
+from mlx_spec.acceptance import check_next, greedy_token
 
 NAN = float("nan")
 
@@ -83,6 +83,22 @@ def test_int32_ids_behave_as_uint32():
 
 def test_empty_draft_returns_the_first_argmax():
     assert read(accept_greedy(one_hot_rows([3], 5), ids())) == (0, 3, False)
+
+
+@pytest.mark.parametrize("on_cpu", [True, False])
+@pytest.mark.parametrize(
+    "row",
+    [[0.5, 2.0, 2.0, -1.0], [0.5, math.nan, 3.0, 1.0], [1.0, math.inf, 0.0, 2.0], [-math.inf] * 4],
+    ids=["ties", "nan", "inf", "no-token"],
+)
+def test_a_plain_greedy_token_is_the_next_of_an_empty_draft(row, on_cpu):
+    # The loop's plain steps take greedy_token instead of accept_greedy at N = 0: the same
+    # token, INVALID_ROW where the row cannot decide, and always an id the model can embed.
+    logits = mx.array([row])
+    token, fed = greedy_token(logits, on_cpu=on_cpu)
+    assert token.tolist() == [accept_greedy(logits, ids()).tolist()[1]]
+    assert 0 <= fed.item() < len(row)
+    assert (token.item() >= INVALID_ROW) == (row[1] != 2.0)
 
 
 def test_single_token_vocabulary():

@@ -200,6 +200,16 @@ def test_stretches_of_plain_steps_give_the_tokens_of_rounds_without_drafts(
     assert fixed.rounds == adaptive.rounds == 150 and adaptive.drafted == 0
 
 
+def test_an_invalid_row_in_a_stretch_raises(target) -> None:
+    # A stretch's plain steps check their rows as rounds do: a NaN row raises, naming it.
+    def nan_after_five(tokens: mx.array, logits: mx.array) -> mx.array:
+        return logits * mx.nan if tokens.size >= len(PROMPT) + 5 else logits
+
+    with pytest.raises(ValueError, match=r"^speculative_generate_step: .* at position 0 decided"):
+        run(PROMPT, target, None, drafter=Silent(), adaptive=True, max_tokens=20,
+            logits_processors=[nan_after_five])  # fmt: skip
+
+
 def test_a_stretch_stopped_early_leaves_the_prompt_and_yielded_tokens(
     target, greedy_reference
 ) -> None:
@@ -290,7 +300,7 @@ def test_lookup_single_guess_has_the_target_distribution(small, copied) -> None:
 
 
 def test_negative_control_single_guess_without_residual_fails(small, copied, monkeypatch):
-    monkeypatch.setattr(rules, "accept_sampled", without_residual)
+    monkeypatch.setattr(rules, "sampled_decision", without_residual)
     expected = exact_joint(small, copied, SMALL_VOCAB)
     counts = lookup_pairs(small, copied, PromptLookupDrafter(max_ngram=2), 1000)
     assert chi_square_p(counts, expected) < THRESHOLD
@@ -306,7 +316,7 @@ def test_lookup_distribution_has_the_target_distribution(small, branching) -> No
 
 @pytest.mark.statistical
 def test_negative_control_distribution_without_residual_fails(small, branching, monkeypatch):
-    monkeypatch.setattr(rules, "accept_sampled", without_residual)
+    monkeypatch.setattr(rules, "sampled_decision", without_residual)
     drafter = PromptLookupDrafter(max_ngram=1, distribution=True)
     expected = exact_joint(small, branching, SMALL_VOCAB)
     counts = lookup_pairs(small, branching, drafter, 1500)
@@ -373,6 +383,36 @@ def test_a_drafter_of_ones_own_is_told_what_was_kept(target, greedy_reference) -
     assert tokens == greedy_reference[:20]
     # Round 1 keeps the three tokens; later rounds propose the same ones, which are wrong.
     assert fixed.kept[0] == 3 and stats.accepted == sum(fixed.kept)
+
+
+class Malformed(Drafter):
+    """Returns ``draft`` whatever it is asked: a drafter of one's own with a bug."""
+
+    def __init__(self, draft: object) -> None:
+        self.draft = draft
+
+    def propose(self, text, n, key) -> Draft:
+        return self.draft
+
+
+@pytest.mark.parametrize(
+    ("draft", "problem"),
+    [
+        ([1, 2], "a list"),
+        (Draft(mx.array([1.0, 2.0])), r"tokens of shape \(2,\) and dtype float32"),
+        (Draft(mx.array([[1, 2]], dtype=mx.uint32)), r"tokens of shape \(1, 2\)"),
+        (Draft(mx.array([1, 2, 3, 4], dtype=mx.uint32)), "4 tokens"),
+        (Draft(mx.array([1, 2], dtype=mx.uint32), mx.ones((3, 8))), r"probs of shape \(3, 8\)"),
+    ],
+)
+def test_a_malformed_proposal_raises_naming_the_drafter(target, draft, problem) -> None:
+    # The rule decides without checking its arguments: the loop checks each proposal instead.
+    pattern = (
+        r"^speculative_generate_step: Malformed\.propose\(text, 3, key\) must return a Draft of "
+        rf"at most 3 tokens, got {problem}"
+    )
+    with pytest.raises(ValueError, match=pattern):
+        run(PROMPT, target, None, drafter=Malformed(draft), num_draft_tokens=3, max_tokens=8)
 
 
 def test_draft_ids_outside_the_target_vocabulary_are_rejected_not_fed(target, greedy_reference):

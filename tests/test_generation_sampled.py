@@ -55,7 +55,7 @@ def test_negative_control_resampling_from_the_target_fails(small_pair, monkeypat
         token = mx.random.categorical(mx.log(row), key=mx.random.split(key)[1])
         return mx.stack([result[0], token.astype(mx.uint32), result[2]])
 
-    monkeypatch.setattr(rules, "accept_sampled", without_residual)
+    monkeypatch.setattr(rules, "sampled_decision", without_residual)
     counts = draws(model, draft, make_sampler(temp=1.0), 1000)
     assert chi_square_p(counts, expected) < THRESHOLD
 
