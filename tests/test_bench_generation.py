@@ -1,5 +1,6 @@
-"""``benchmarks/generation.py`` and ``benchmarks/proposal_cost.py`` print what they measured: the
-tables agree with the raw rows and their ratios divide the printed numbers as the columns say.
+"""``benchmarks/generation.py``, ``proposal_cost.py`` and ``plain_steps.py`` print what they
+measured: the tables agree with the raw rows and their ratios divide the printed numbers as the
+columns say.
 The forced drafter of the replay comparison gives two targets the same acceptance. No timing is
 asserted."""
 
@@ -113,6 +114,19 @@ def test_proposal_cost_table():
         )
         share = float(row["proposal / round"].rstrip("%"))
         assert abs(share - 100 * proposal * 1e-6 / (round_time * 1e-3)) <= 0.01
+
+
+def test_plain_steps_table():
+    proc = script("plain_steps", "--pair", "host", "--tokens", "16", "--repeats", "1")
+    assert proc.returncode == 0, proc.stderr
+    (row,) = markdown_table(proc.stdout, "pair")
+    assert row["pair"] == "host"
+    plain = float(row["plain"])
+    for method in ("stretch", "lookup"):
+        # Milliseconds printed to 3 decimals, the ratio to 2.
+        ms = float(row[method])
+        slack = 0.005 + (plain / ms) * (0.0005 / plain + 0.0005 / ms)
+        assert abs(float(row[f"plain / {method}"].rstrip("x")) - plain / ms) <= slack
 
 
 @pytest.mark.slow

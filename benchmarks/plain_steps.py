@@ -1,0 +1,140 @@
+"""What a stretch of plain steps costs against mlx-lm's plain decoding.
+
+With adaptive draft lengths, where drafting does not pay, mlx-spec's loop runs stretches of
+pipelined plain steps (``Generation.stretch``). They should cost what mlx-lm's ``generate_step``
+costs: this times both, interleaved, on the same prompt, at temperature 0:
+
+- ``plain``: ``mlx_lm.generate.generate_step``;
+- ``stretch``: ``speculative_generate_step`` with adaptive lengths and a drafter that never
+  proposes anything, so every token is a stretch's plain step;
+- ``lookup``: the same with prompt lookup (``drafter="prompt-lookup"``), which also checks a
+  guess each step and drafts where guesses pay.
+
+Pairs: those of ``benchmarks/generation.py`` (their first open prompt), and ``host``: a model with
+next to no device work (an embedding and its transpose), whose time per token is the loops' own
+host work and synchronisation.
+
+Prints the median milliseconds a token of each method and ``plain / method`` (above 1: faster
+than mlx-lm's plain decoding). On MLX's CUDA backend, cuDNN attention is left off
+(``MLX_CUDA_USE_CUDNN_SDPA=0``, as ``mlx-spec`` sets it) unless the environment sets it, so no
+method pays for building attention graphs of new shapes.
+
+Usage: ``python benchmarks/plain_steps.py [--pair host demo 16x2048 ...] [--tokens 256]
+[--repeats 7]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "0")
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from generation import build_pair
+
+from mlx_spec.drafters import Draft, Drafter, Text
+from mlx_spec.generation import speculative_generate_step
+
+
+class Silent(Drafter):
+    """A free drafter that never proposes anything: every token is a plain step."""
+
+    free = True
+
+    def propose(self, text: Text, n: int, key: mx.array | None) -> Draft:
+        return Draft(mx.array([], dtype=mx.uint32))
+
+
+class HostOnly(nn.Module):
+    """A model with next to no device work: logits from an embedding and its transpose, and one
+    cache that keeps the token count as an attention cache does."""
+
+    def __init__(self, vocab: int = 64, dims: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dims)
+        self.layers = [nn.Identity()]
+
+    def make_cache(self) -> list[KVCache]:
+        return [KVCache()]
+
+    def __call__(self, inputs: mx.array, cache: list[KVCache] | None = None, **_) -> mx.array:
+        h = self.embed(inputs)
+        if cache is not None:
+            cache[0].update_and_fetch(h[:, None], h[:, None])
+        return self.embed.as_linear(h)
+
+
+def _target_and_prompt(name: str) -> tuple[nn.Module, mx.array]:
+    if name == "host":
+        mx.random.seed(0)
+        model = HostOnly()
+        mx.eval(model.parameters())
+        return model, mx.array([1, 2, 3, 4, 5], mx.uint32)
+    pair = build_pair(name, 1)
+    return pair.target, pair.workloads["open"][0]
+
+
+def _methods(target: nn.Module, prompt: mx.array, tokens: int) -> dict[str, Callable[[], None]]:
+    def plain() -> None:
+        for _ in generate_step(prompt, target, max_tokens=tokens):
+            pass
+
+    def adaptive(drafter: Drafter | str) -> Callable[[], None]:
+        def run() -> None:
+            steps = speculative_generate_step(
+                prompt, target, drafter=drafter, adaptive=True, max_tokens=tokens
+            )
+            for _ in steps:
+                pass
+
+        return run
+
+    return {"plain": plain, "stretch": adaptive(Silent()), "lookup": adaptive("prompt-lookup")}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pair", nargs="+", default=["host", "demo"])
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+    print(
+        f"# plain steps: {mx.default_device()}, MLX {mx.__version__}, {args.tokens} tokens, "
+        f"temperature 0, median of {args.repeats} interleaved runs; ms a token "
+        "(plain / method: above 1 is faster than mlx-lm's plain decoding)"
+    )
+    print("| pair | plain | stretch | lookup | plain / stretch | plain / lookup |")
+    print("|---|---|---|---|---|---|")
+    for name in args.pair:
+        target, prompt = _target_and_prompt(name)
+        methods = _methods(target, prompt, args.tokens)
+        for run in methods.values():  # warm-up: compilation and first-use graphs
+            run()
+        times: dict[str, list[float]] = {method: [] for method in methods}
+        for _ in range(args.repeats):
+            for method, run in methods.items():
+                start = time.perf_counter()
+                run()
+                times[method].append(1e3 * (time.perf_counter() - start) / args.tokens)
+        ms = {method: statistics.median(values) for method, values in times.items()}
+        print(
+            f"| {name} | {ms['plain']:.3f} | {ms['stretch']:.3f} | {ms['lookup']:.3f} | "
+            f"{ms['plain'] / ms['stretch']:.2f}x | {ms['plain'] / ms['lookup']:.2f}x |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
