@@ -212,7 +212,8 @@ class Generation:
         # On a group, adaptive lengths are chosen from rank 0's times, which every rank reads a
         # round late: each rank then makes the same target calls.
         self.group = group if lengths.adaptive else None
-        self._unrecorded: tuple[int, int, int, int] | None = None
+        # The last round's counts and label, recorded with its time a round later.
+        self._unrecorded: tuple[tuple[int, int, int, int], int] | None = None
         #: The plain steps of the next stretch (see :meth:`stretch`).
         self.next_stretch = STRETCH
         self._microseconds = 0
@@ -230,10 +231,11 @@ class Generation:
         cap = max(min(remaining - 1, self.target.room() - pending), 0)
         replays = self.target.cache.replays
         self._proposal = None
-        if self.stretches and self.drafter.free:
+        if self.lengths.adaptive and self.drafter.free:
             # A free proposal first: with nothing to propose the next tokens are plain steps, and
             # its label tells how often such a proposal is kept. N depends on the label, which
-            # the text decides, never on the tokens drawn, so a sampled proposal stays exact.
+            # the text decides, never on the tokens drawn, so a sampled proposal stays exact
+            # (and every rank of a group, holding the same text, chooses alike).
             proposal = self._propose(min(self.lengths.most, cap), None)
             if proposal.size == 0:
                 self.lengths.measuring = False
@@ -313,8 +315,10 @@ class Generation:
             self.lengths.record(*counts, seconds, draft.label)
         else:
             if self._unrecorded is not None:
-                self.lengths.record(*self._unrecorded, values[-1] / 1e6)
-            self._unrecorded, self._microseconds = counts, min(int(seconds * 1e6), 2**32 - 1)
+                previous, label = self._unrecorded
+                self.lengths.record(*previous, values[-1] / 1e6, label)
+            self._unrecorded = counts, draft.label
+            self._microseconds = min(int(seconds * 1e6), 2**32 - 1)
         return tokens, kept, logprobs
 
     def stretch(self, count: int) -> Generator[tuple[int, mx.array], None, None]:

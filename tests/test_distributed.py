@@ -41,11 +41,13 @@ from distributed_worker import (
     QWEN2_FOLDER,
     SETTINGS,
     TEMP,
+    TINY_PROMPT,
     generate,
     parameter_count,
     plain,
     save_qwen2,
 )
+from mlx_lm.generate import generate_step
 
 from mlx_spec.distributed import agree_key, fresh_seed, load_sharded, model_group
 from mlx_spec.sampling import make_sampler
@@ -279,6 +281,38 @@ def test_one_process_has_no_group() -> None:
     models = whole("pipeline")
     assert model_group(models["target"], models["draft"]) is None
     assert model_group(models["target"], group=mx.distributed.init()) is None
+
+
+def test_adaptive_lookup_on_a_group_chooses_and_records_by_label(monkeypatch) -> None:
+    # On a group (here one of size 1, given as the models' group), rounds are timed a round late
+    # and there are no stretches; prompt lookup is still asked first, and each round's choice
+    # and its deferred record use its proposal's label (the matched n-gram's length, >= 1).
+    from mlx_spec import generation as generation_module
+    from mlx_spec.draft_length import DraftLength
+
+    monkeypatch.setattr(generation_module, "model_group", lambda *_: mx.distributed.init())
+    chosen, recorded = [], []
+    choose, record = DraftLength.choose, DraftLength.record
+
+    def spy_choose(self, pending, cap, replays=False, label=0):
+        chosen.append(label)
+        return choose(self, pending, cap, replays, label)
+
+    def spy_record(self, drafted, accepted, fed, steps, seconds, label=0):
+        if drafted:
+            recorded.append(label)
+        return record(self, drafted, accepted, fed, steps, seconds, label)
+
+    monkeypatch.setattr(DraftLength, "choose", spy_choose)
+    monkeypatch.setattr(DraftLength, "record", spy_record)
+    models = whole("pipeline")
+    prompt = mx.array(TINY_PROMPT * 6)
+    steps = generation_module.speculative_generate_step(
+        prompt, models["target"], drafter="prompt-lookup", adaptive=True, max_tokens=60
+    )
+    tokens = [token for token, _, _ in steps]
+    assert tokens == [t for t, _ in generate_step(prompt, models["target"], max_tokens=60)]
+    assert len(recorded) >= 3 and min(chosen) >= 1 and min(recorded) >= 1
 
 
 def test_agree_key_without_a_group_keeps_the_callers_key() -> None:
