@@ -31,6 +31,12 @@ which measures its acceptance without verifying it; the stretch of plain steps e
 proposal of a kind that pays comes. The first rounds draft the most and one token in turn, until
 the slope is measured.
 
+What rounds and plain steps cost is a property of the target, the drafter and the device, not of
+the text: the costs one generation measured are kept for the next generation with the same target
+and drafter on the same device (:func:`cost_key`, :func:`recall`, :func:`keep`), which then
+chooses from its first round instead of first drafting the most and one token to measure them.
+The acceptance, which depends on the text, starts anew. :func:`forget_costs` drops what was kept.
+
 A target whose caches are restored after a rejection (recurrent layers) feeds again, in the next
 call, everything since its last fully kept round; the choice counts that future cost too, and a
 fixed length drafts nothing in a round where more than ``N + 1`` tokens wait, so they are fed once.
@@ -38,11 +44,24 @@ fixed length drafts nothing in a round where more than ``N + 1`` tokens wait, so
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-__all__ = ["MAX_DRAFT_TOKENS", "DraftLength"]
+__all__ = [
+    "MAX_DRAFT_TOKENS",
+    "DraftLength",
+    "MeasuredCosts",
+    "cost_key",
+    "forget_costs",
+    "keep",
+    "recall",
+]
 
 #: The most draft tokens a round may take. A round keeps on average fewer than ``1 / (1 - a)``
 #: tokens for an acceptance rate ``a`` (20 at 95%), while each draft token costs a position of the
@@ -64,6 +83,78 @@ _REMEASURE = 64
 _EXPLORE_EVERY = 6
 
 
+@dataclass
+class MeasuredCosts:
+    """What the rounds and plain steps of one target and drafter on one device cost, kept from one
+    generation to the next (see the module's description).
+
+    Attributes:
+        rounds (list): ``(waiting tokens, draft tokens, seconds)`` of the latest rounds, oldest
+            first.
+        plain (list): seconds a token of the latest stretches of plain steps.
+    """
+
+    rounds: list[tuple[int, int, float]] = field(default_factory=list)
+    plain: list[float] = field(default_factory=list)
+
+
+CostKey = tuple[int, Hashable, str]
+
+# What the last generation of each target, drafter and device measured (see cost_key).
+_KEPT: dict[CostKey, MeasuredCosts] = {}
+# The keys whose removal is registered with their models.
+_WATCHED: set[CostKey] = set()
+_KEPT_LOCK = threading.Lock()
+
+
+def cost_key(target: Any, drafter: Any, device: Any) -> CostKey:
+    """The key under which the costs of ``target`` with ``drafter`` on ``device`` are kept.
+
+    Its entry goes when the target or the draft model is freed (so an ``id`` is never taken for
+    another model's).
+
+    Args:
+        target (nn.Module): the target model.
+        drafter (object): the draft model, or for a drafter without one (prompt lookup) its
+            class.
+        device (mx.Device): where the generation runs.
+    """
+    key = (id(target), drafter if isinstance(drafter, type) else id(drafter), str(device))
+    with _KEPT_LOCK:
+        if key not in _WATCHED:
+            _WATCHED.add(key)
+            for owner in (target, drafter):
+                if not isinstance(owner, type):
+                    weakref.finalize(owner, _drop, key)
+    return key
+
+
+def recall(key: CostKey) -> MeasuredCosts | None:
+    """The costs kept under ``key`` (a copy), or ``None``."""
+    with _KEPT_LOCK:
+        kept = _KEPT.get(key)
+        return None if kept is None else MeasuredCosts(list(kept.rounds), list(kept.plain))
+
+
+def keep(key: CostKey, costs: MeasuredCosts) -> None:
+    """Keeps ``costs`` under ``key`` for the next generation (the last one kept wins)."""
+    with _KEPT_LOCK:
+        if key in _WATCHED:
+            _KEPT[key] = costs
+
+
+def _drop(key: CostKey) -> None:
+    with _KEPT_LOCK:
+        _KEPT.pop(key, None)
+        _WATCHED.discard(key)
+
+
+def forget_costs() -> None:
+    """Drops every kept cost: the next generation of each target and drafter measures anew."""
+    with _KEPT_LOCK:
+        _KEPT.clear()
+
+
 class DraftLength:
     """Chooses each round's number of draft tokens.
 
@@ -77,10 +168,17 @@ class DraftLength:
         stretches (bool): whether drafting nothing runs a stretch of pipelined plain steps (see
             :mod:`mlx_spec.loop`), whose cost per token is then measured and is what drafting
             must beat; else drafting nothing is a round of one step.
+        costs (MeasuredCosts, optional): what an earlier generation with the same target,
+            drafter and device measured (see :func:`recall`), to start from. Default: none.
     """
 
     def __init__(
-        self, most: int, adaptive: bool, free: bool = False, stretches: bool = False
+        self,
+        most: int,
+        adaptive: bool,
+        free: bool = False,
+        stretches: bool = False,
+        costs: MeasuredCosts | None = None,
     ) -> None:
         self.most = most
         self.adaptive = adaptive
@@ -94,6 +192,11 @@ class DraftLength:
         self._base = self._slope = None
         # Seconds a token of the recent stretches of plain steps (see mlx_spec.loop).
         self._plain: deque[float] = deque(maxlen=_PLAIN_WINDOW)
+        if costs is not None:
+            self._rounds.extend(costs.rounds)
+            self._plain.extend(costs.plain)
+            if self._rounds:
+                self._fit()
         self._count = 0
         # The choice at which plain steps were last measured, and whether the last round kept
         # all its drafts (a copy going on, which a measurement would interrupt).
@@ -220,6 +323,11 @@ class DraftLength:
     def record_plain(self, seconds: float) -> None:
         """The seconds a token took in a stretch of plain steps (which drafting must beat)."""
         self._plain.append(seconds)
+
+    def measured(self) -> MeasuredCosts:
+        """MeasuredCosts: what the rounds and plain steps cost so far (a copy), to keep for the
+        next generation (see :func:`keep`)."""
+        return MeasuredCosts(list(self._rounds), list(self._plain))
 
     def _fit(self) -> None:
         rounds = np.array(self._rounds, dtype=np.float64)

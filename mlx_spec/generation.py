@@ -37,7 +37,7 @@ from ._checks import (
 )
 from .caches import ModelCache, check_caches
 from .distributed import agree_key, model_group
-from .draft_length import MAX_DRAFT_TOKENS, DraftLength
+from .draft_length import MAX_DRAFT_TOKENS, DraftLength, cost_key, recall
 from .drafters import Drafter, DraftSetup, ModelDrafter, PromptLookupDrafter, Text
 from .loop import Generation, SpeculativeStats, Target, run, vocab_size
 from .rules import make_rule
@@ -334,17 +334,31 @@ def speculative_generate_step(
         vocab,
     )
     setup = DraftSetup(rule, processors, quantize, prefill_step_size, seed)
+    # Adaptive lengths start from the costs the last generation of the same models measured
+    # (not on a group, whose ranks must choose alike from what they measured together).
+    costs = None
+    if adaptive and group is None:
+        device = stream if isinstance(stream, mx.Device) else stream.device
+        drafting = chosen.model if isinstance(chosen, ModelDrafter) else type(chosen)
+        costs = cost_key(model, drafting, device)
     generation = Generation(
         text,
         target,
         chosen,
         rule,
-        DraftLength(num_draft_tokens, adaptive, chosen.free, stretches=group is None),
+        DraftLength(
+            num_draft_tokens,
+            adaptive,
+            chosen.free,
+            stretches=group is None,
+            costs=None if costs is None else recall(costs),
+        ),
         eos,
         key,
         stats if stats is not None else SpeculativeStats(),
         stream,
         group,
+        costs,
     )
     progress = prompt_progress_callback or (lambda *_: None)
     return run(generation, setup, stream, max_tokens, prefill_step_size, progress)

@@ -31,7 +31,7 @@ from . import kernels
 from ._checks import FLOAT_DTYPES, ID_DTYPES, describe
 from .acceptance import check_next
 from .caches import ModelCache, decode_masks
-from .draft_length import MAX_DRAFT_TOKENS, DraftLength
+from .draft_length import MAX_DRAFT_TOKENS, CostKey, DraftLength, keep
 from .drafters import Draft, Drafter, DraftSetup, Text
 from .rules import Rule
 
@@ -194,6 +194,7 @@ class Generation:
         stats: SpeculativeStats,
         stream: StreamLike,
         group: mx.distributed.Group | None = None,
+        costs: CostKey | None = None,
     ) -> None:
         self.text = text
         self.target = target
@@ -212,6 +213,9 @@ class Generation:
         # On a group, adaptive lengths are chosen from rank 0's times, which every rank reads a
         # round late: each rank then makes the same target calls.
         self.group = group if lengths.adaptive else None
+        #: Where the draft lengths' measured costs are kept for the next generation (see
+        #: :func:`mlx_spec.draft_length.cost_key`); ``None`` to keep nothing.
+        self.costs = costs
         # The last round's counts and label, recorded with its time a round later.
         self._unrecorded: tuple[tuple[int, int, int, int], int] | None = None
         #: The plain steps of the next stretch (see :meth:`stretch`).
@@ -412,14 +416,16 @@ class Generation:
         return draft
 
     def finish(self, consumed: int, feed: bool) -> None:
-        """Leaves every cache holding the prompt and the ``consumed`` tokens; feeding what a
-        cache lacks only when ``feed``."""
+        """Leaves every cache holding the prompt and the ``consumed`` tokens, feeding what a
+        cache lacks only when ``feed``; keeps the costs measured for the next generation."""
         length = self.text.prompt.size + consumed
         held = self.target.cache.rewind(length)
         if feed and held < length:
             self.target.feed(self.text.tokens(held, length))
         self.target.cache.forget()
         self.drafter.finish(self.text, length, feed)
+        if self.costs is not None:
+            keep(self.costs, self.lengths.measured())
 
 
 def _draft_problem(draft: object, n: int) -> str | None:

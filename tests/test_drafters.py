@@ -3,6 +3,7 @@ the model drafter through the same interface, and the choice of the draft length
 
 from __future__ import annotations
 
+import gc
 import importlib
 import itertools
 from pathlib import Path
@@ -523,6 +524,55 @@ def test_adaptive_length_is_moderate_when_positions_cost() -> None:
     # (E(N) / (1 + 0.35 (N + 1)) peaks at N = 2 or 3).
     chosen = feed(DraftLength(8, adaptive=True), 200, 0.8, lambda fed, steps: 1.0 + 0.35 * fed)
     assert 2 <= np.median(chosen[-100:]) <= 4
+
+
+def test_a_second_generation_starts_from_the_costs_the_first_measured(
+    target, greedy_reference, monkeypatch
+) -> None:
+    # The first generation drafts the most and then one token to measure what a draft token
+    # costs; the next one of the same target and drafter starts from what it measured, and a
+    # generation with another target measures anew.
+    from tiny_models import tiny_llama
+
+    started = []
+    init = DraftLength.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        started.append((len(self._rounds), self._slope is not None, len(self._plain)))
+
+    monkeypatch.setattr(DraftLength, "__init__", spy)
+    options = dict(drafter="prompt-lookup", adaptive=True, max_tokens=120)
+    first, _, _ = run(PROMPT, target, None, **options)
+    second, _, _ = run(PROMPT, target, None, **options)
+    other = tiny_llama(3)
+    run(PROMPT, other, None, **options)
+    assert first == second == greedy_reference[:120]
+    assert started[0] == (0, False, 0)
+    rounds, measured, plain = started[1]
+    assert rounds >= 2 and measured and plain >= 1
+    assert started[2] == (0, False, 0)
+
+
+def test_kept_costs_go_with_their_models() -> None:
+    from tiny_models import cut, tiny_llama
+
+    from mlx_spec.draft_length import MeasuredCosts, cost_key, forget_costs, keep, recall
+
+    target = tiny_llama(4)
+    draft = cut(target, 1)
+    costs = MeasuredCosts([(1, 4, 0.01), (1, 1, 0.005)], [0.002])
+    by_model = cost_key(target, draft, mx.Device(mx.cpu))
+    by_class = cost_key(target, PromptLookupDrafter, mx.Device(mx.cpu))
+    keep(by_model, costs)
+    keep(by_class, costs)
+    assert recall(by_model) == costs and recall(by_model) is not costs
+    assert recall(cost_key(target, draft, "other device")) is None
+    del draft
+    gc.collect()
+    assert recall(by_model) is None and recall(by_class) == costs
+    forget_costs()
+    assert recall(by_class) is None
 
 
 def test_adaptive_length_recovers_from_a_first_round_far_too_slow() -> None:
