@@ -118,6 +118,9 @@ def cost_key(target: Any, drafter: Any, device: Any) -> CostKey:
         drafter (object): the draft model, or for a drafter without one (prompt lookup) its
             class.
         device (mx.Device): where the generation runs.
+
+    Returns:
+        tuple: ``(id(target), the draft model's id or the drafter class, str(device))``.
     """
     key = (id(target), drafter if isinstance(drafter, type) else id(drafter), str(device))
     with _KEPT_LOCK:
