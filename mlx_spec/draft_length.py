@@ -44,6 +44,7 @@ fixed length drafts nothing in a round where more than ``N + 1`` tokens wait, so
 
 from __future__ import annotations
 
+import statistics
 import threading
 import weakref
 from collections import deque
@@ -214,9 +215,10 @@ class DraftLength:
         kept, tested = self._first.get(label, (_PRIOR_KEPT, _PRIOR_TESTED))
         return kept / tested, self._later[0] / self._later[1]
 
-    def cost(self, pending: int, n: int) -> float:
+    def cost(self, pending: int, n: int | np.ndarray) -> float | np.ndarray:
         """The predicted seconds of a round over ``pending`` waiting tokens and ``n`` drafts
-        (``nan`` before two rounds of different lengths were measured)."""
+        (``nan`` before two rounds of different lengths were measured); elementwise for an
+        array of ``n``."""
         if self._slope is None:
             return float("nan")
         # A waiting token is a scored position; for prompt lookup so is a draft token, for a draft
@@ -282,26 +284,27 @@ class DraftLength:
 
     def _best(self, pending: int, top: int, replays: bool, label: int) -> int:
         """The ``N`` in ``[0, top]`` of the most tokens per second, 0 being plain steps."""
+        if top == 0:
+            return 0
         a1, a = (min(x, 0.999) for x in self.acceptance(label))
         # Drafting nothing: plain steps, at the cost measured in stretches (or a round of one,
         # before any stretch measured them).
-        plain = float(np.median(self._plain)) if self._plain else self.cost(pending, 0)
-        best, best_rate = 0, 1 / max(plain, 1e-9)
+        plain = statistics.median(self._plain) if self._plain else self.cost(pending, 0)
+        best_rate = 1 / max(plain, 1e-9)
         # survival[i]: the chance that the first i draft tokens are all kept.
         survival = np.concatenate([[1.0], a1 * a ** np.arange(top)])
-        for n in range(1, top + 1):
-            tokens = survival[: n + 1].sum()
-            cost = self.cost(pending, n)
-            if replays:
-                # A rejection (chance 1 - s(n)) makes the next call feed again what waits now and
-                # the tokens kept before the rejection.
-                rejected = survival[:n] - survival[1 : n + 1]
-                kept = float(np.arange(n) @ rejected)
-                cost += self._slope * ((1 - survival[n]) * pending + kept)
-            rate = tokens / max(cost, 1e-9)
-            if rate > best_rate * (1 + 1e-9):
-                best, best_rate = n, rate
-        return best
+        tokens = np.cumsum(survival)[1:]
+        cost = self.cost(pending, np.arange(1, top + 1))
+        if replays:
+            # A rejection (chance 1 - s(n)) makes the next call feed again what waits now and the
+            # tokens kept before the rejection: sum over i < n of i * (s(i) - s(i + 1)).
+            rejected = survival[:-1] - survival[1:]
+            kept = np.cumsum(np.arange(top) * rejected)
+            cost = cost + self._slope * ((1 - survival[1:]) * pending + kept)
+        rates = tokens / np.maximum(cost, 1e-9)
+        best = int(np.argmax(rates))
+        # Drafting must beat plain steps by more than rounding to be chosen.
+        return best + 1 if rates[best] > best_rate * (1 + 1e-9) else 0
 
     def record(
         self, drafted: int, accepted: int, fed: int, steps: int, seconds: float, label: int = 0
@@ -345,7 +348,7 @@ class DraftLength:
         if not paired.any():
             return
         self._slope = max(_weighted_median(dt[paired] / dx[paired], dx[paired] ** 2), 0.0)
-        self._base = float(np.median(seconds - self._slope * x))
+        self._base = statistics.median((seconds - self._slope * x).tolist())
 
     def shadow(self, accepted: int, tested: int, label: int = 0) -> None:
         """Counts ``tested`` draft tokens of a proposal labelled ``label``, of which the first

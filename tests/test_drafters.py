@@ -501,6 +501,36 @@ def feed(lengths: DraftLength, rounds: int, acceptance: float, cost, pending: in
     return chosen
 
 
+@pytest.mark.parametrize("replays", [False, True])
+def test_the_choice_maximises_the_expected_tokens_per_second(replays) -> None:
+    # Against the rule as the module states it, written out term by term: E(N) = 1 + s(1) + ...
+    # + s(N) with s(i) = a1 * a^(i - 1), over base + slope * (pending + N) (prompt lookup), plus
+    # with replays slope * ((1 - s(N)) * pending + sum_{i<N} i * (s(i) - s(i + 1))); 0 (plain
+    # steps) unless some N beats the plain cost.
+    rng = np.random.default_rng(3)
+    for case in range(40):
+        base, slope, plain = rng.uniform(0.5, 3.0), rng.uniform(0.0, 0.5), rng.uniform(0.5, 1.5)
+        lengths = DraftLength(16, adaptive=True, free=True, stretches=True)
+        for drafted in (1, 16, 1, 16):  # rounds of exact costs: the fit recovers base and slope
+            lengths.record(drafted, 0, drafted + 1, 0, base + slope * (drafted + 1))
+        lengths.record_plain(plain)
+        for kept in rng.random(int(rng.integers(0, 30))) < rng.random():
+            lengths.shadow(int(kept) * 2, 2, label=2)
+        a1, a = lengths.acceptance(2)
+        pending, top = int(rng.integers(1, 4)), int(rng.integers(1, 17))
+        survival = [1.0] + [a1 * a ** (i - 1) for i in range(1, top + 2)]
+        best, best_rate = 0, 1 / plain
+        for n in range(1, top + 1):
+            cost = base + slope * (pending + n)
+            if replays:
+                kept = sum(i * (survival[i] - survival[i + 1]) for i in range(n))
+                cost += slope * ((1 - survival[n]) * pending + kept)
+            rate = sum(survival[: n + 1]) / cost
+            if rate > best_rate * (1 + 1e-6):
+                best, best_rate = n, rate
+        assert lengths._best(pending, top, replays, 2) == best, case
+
+
 def test_fixed_length_always_drafts_the_most() -> None:
     assert feed(DraftLength(5, adaptive=False), 20, 0.1, lambda fed, steps: 1.0) == [5] * 20
 
