@@ -8,7 +8,10 @@ round and every plain step a modelled cost, in units of one plain decoding step:
 - a verification round: ``round + position * (positions scored) + draft_step * (draft calls)``,
   with a deterministic noise of ``--noise`` (relative, uniform) so that the estimates see what
   a machine's clock shows;
-- a plain step (plain decoding, or a stretch of the adaptive loop): 1.
+- a plain step (plain decoding, or a stretch of the adaptive loop): 1;
+- the start of each stretch of the adaptive loop: ``stretch_start`` more. Plain decoding builds
+  each step while the one before runs; a stretch's first step has nothing in flight to hide its
+  host work behind, and the step the last one built ahead of the stretch's end is not there.
 
 The adaptive choice is fed these costs instead of the measured seconds, and each method's modelled
 tokens per unit cost is compared to plain decoding and to the best fixed ``N`` of the same drafter.
@@ -39,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from generation import WORKLOADS, build_pair
 
 import mlx_spec.generation as generation_module
+import mlx_spec.loop as loop_module
 from mlx_spec.draft_length import DraftLength, forget_costs
 from mlx_spec.generation import speculative_generate_step
 from mlx_spec.loop import SpeculativeStats
@@ -55,18 +59,24 @@ class Costs:
         round (float): a verification round's fixed cost (host work, launches, the read).
         position (float): each scored position (the waiting tokens and the drafts).
         draft_step (float): each call of a draft model.
+        stretch_start (float): each stretch of plain steps, for its first step, which waits for
+            its own host work.
         noise (float): the relative spread of a round's cost as the loop sees it.
     """
 
     round: float
     position: float
     draft_step: float
+    stretch_start: float
     noise: float
 
 
 DEVICES = {
-    "gpu": Costs(round=2.3, position=0.08, draft_step=0.25, noise=0.1),
-    "cpu": Costs(round=0.4, position=0.6, draft_step=0.25, noise=0.1),
+    # A stretch's first step waits for its own host work: most of a pipelined step on the H200,
+    # whose one-token steps of the demo target are about as long on the host as on the device,
+    # and little on the CPU, whose device work is most of a step.
+    "gpu": Costs(round=2.3, position=0.08, draft_step=0.25, stretch_start=0.6, noise=0.1),
+    "cpu": Costs(round=0.4, position=0.6, draft_step=0.25, stretch_start=0.1, noise=0.1),
 }
 
 
@@ -78,6 +88,9 @@ class _Ledger:
         self.rng = np.random.default_rng(seed)
         self.rounds = 0.0
         self.round_tokens = 0
+        # The stretches of plain steps begun, and the steps of the current one.
+        self.stretches = 0
+        self.stretch_steps = 0
 
 
 def _modelled(ledger: _Ledger) -> type[DraftLength]:
@@ -93,9 +106,25 @@ def _modelled(ledger: _Ledger) -> type[DraftLength]:
             super().record(drafted, accepted, fed, steps, noisy, label)
 
         def record_plain(self, seconds):
-            super().record_plain(1 + ledger.costs.noise * ledger.rng.uniform(-1, 1))
+            c = ledger.costs
+            step = 1 + c.stretch_start / max(ledger.stretch_steps, 1)
+            super().record_plain(step * (1 + c.noise * ledger.rng.uniform(-1, 1)))
 
     return Modelled
+
+
+def _counted_stretch(ledger: _Ledger):
+    """Generation.stretch, counting the stretches begun and their steps into ``ledger``."""
+    stretch = loop_module.Generation.stretch
+
+    def counted(self, count):
+        ledger.stretches += 1
+        ledger.stretch_steps = 0
+        for step in stretch(self, count):
+            ledger.stretch_steps += 1
+            yield step
+
+    return counted
 
 
 def modelled_rate(
@@ -118,8 +147,9 @@ def modelled_rate(
         forget_costs()
     ledger = _Ledger(costs, seed=n + 100 * adaptive)
     stats = SpeculativeStats()
-    original = generation_module.DraftLength
+    original = generation_module.DraftLength, loop_module.Generation.stretch
     generation_module.DraftLength = _modelled(ledger)
+    loop_module.Generation.stretch = _counted_stretch(ledger)
     try:
         for _ in speculative_generate_step(
             prompt,
@@ -135,9 +165,10 @@ def modelled_rate(
         ):
             pass
     finally:
-        generation_module.DraftLength = original
+        generation_module.DraftLength, loop_module.Generation.stretch = original
     plain_tokens = max(stats.generated - ledger.round_tokens, 0)
-    return stats.generated / (ledger.rounds + plain_tokens), stats
+    cost = ledger.rounds + plain_tokens + ledger.costs.stretch_start * ledger.stretches
+    return stats.generated / cost, stats
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -147,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--round", type=float, help="a round's fixed cost (default: the device's)")
     parser.add_argument("--position", type=float, help="a scored position's cost")
     parser.add_argument("--draft-step", type=float, help="a draft model call's cost")
+    parser.add_argument("--stretch-start", type=float, help="a stretch's extra cost")
     parser.add_argument("--workload", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--temps", type=float, nargs="+", default=[0.0, 0.8])
     parser.add_argument("--drafts", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -157,7 +189,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     pair = build_pair(args.pair, args.prompts)
-    given = {"round": args.round, "position": args.position, "draft_step": args.draft_step}
+    given = {
+        "round": args.round,
+        "position": args.position,
+        "draft_step": args.draft_step,
+        "stretch_start": args.stretch_start,
+    }
     costs = replace(DEVICES[args.device], **{k: v for k, v in given.items() if v is not None})
     print(f"# modelled {args.device}: {costs}; pair {args.pair}, {args.tokens} tokens")
     print(

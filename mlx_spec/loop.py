@@ -41,9 +41,9 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 StreamLike = mx.Stream | mx.ThreadLocalStream | mx.Device
 
 #: Plain steps a stretch runs before the draft length is chosen again (when drafting does not pay).
-#: Consecutive stretches double up to LONGEST_STRETCH while no guess of a free drafter is right (a
-#: draft model makes none): each stretch starts its pipeline anew, and its first step waits for
-#: nothing in flight.
+#: Consecutive stretches double up to LONGEST_STRETCH, a round starting them short again: each
+#: stretch starts its pipeline anew, its first step waiting for its own host work, while a free
+#: drafter's guesses are checked at every step of a stretch, which ends at once where one pays.
 STRETCH = 8
 LONGEST_STRETCH = 64
 
@@ -332,8 +332,8 @@ class Generation:
 
         Each step draws its token as a round without drafts would (the same keys), so the text
         is the one rounds would give. A free drafter's proposals are still checked against the
-        tokens (its acceptance, measured without verifying it); unless one of them was right, the
-        next stretch is twice as long (see :data:`LONGEST_STRETCH`). A right guess of a kind worth
+        tokens (its acceptance, measured without verifying it). The next stretch is twice as long
+        (see :data:`LONGEST_STRETCH`) unless a round comes first. A right guess of a kind worth
         verifying (:meth:`DraftLength.pays`) ends the stretch after the step already started,
         unless the stretch measures what plain steps cost.
 
@@ -346,7 +346,7 @@ class Generation:
         self.stats.replayed += len(self.text) - held - 1
         # The text up to each step, for the processors only (else no graph grows with the steps).
         context = self.text.array() if self.target.processors else None
-        made = hits = 0
+        made = 0
         # The steps this stretch runs: fewer once a copy begins (below).
         last = count
         replays = self.target.cache.replays
@@ -370,7 +370,6 @@ class Generation:
             self.drafter.update(self.text, 0)
             if guess.size:
                 right = guess.tokens.tolist()[0] == token
-                hits += right
                 self.lengths.shadow(int(right), 1, guess.label)
                 if right and made + 1 < last and not self.lengths.measuring:
                     if self.lengths.pays(guess.label, replays):
@@ -387,7 +386,7 @@ class Generation:
             # A stretch cut short is mostly its first steps, unpipelined: not what plain steps
             # cost once they run.
             self.lengths.record_plain((time.perf_counter() - start) / made)
-        self.next_stretch = STRETCH if hits else min(2 * self.next_stretch, LONGEST_STRETCH)
+        self.next_stretch = min(2 * self.next_stretch, LONGEST_STRETCH)
 
     def _plain_step(
         self, inputs: mx.array, context: mx.array | None

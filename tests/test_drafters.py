@@ -675,11 +675,58 @@ def test_stretches_cut_short_by_a_proposal_stay_lossless(target, greedy_referenc
 
     monkeypatch.setattr(loop.Generation, "stretch", counted)
     monkeypatch.setattr(DraftLength, "pays", lambda self, label, replays=False: True)
+    # Rounds of two drafts wherever lookup proposes (whatever the clock measured).
+    monkeypatch.setattr(DraftLength, "choose", lambda self, pending, cap, *_, **__: min(2, cap))
     tokens, _, stats = run(
         PROMPT, target, None, drafter="prompt-lookup", adaptive=True, max_tokens=300
     )
     assert tokens == greedy_reference
     assert sum(ends) >= 3 and stats.drafted > 0
+
+
+def test_stretches_double_until_a_round_starts_them_short_again(target, monkeypatch) -> None:
+    # Prompt lookup's guesses are often right on the tiny target's text, but none is worth
+    # verifying: consecutive stretches still double (each starts its pipeline anew), up to the
+    # longest. After a round, the next stretch is short again.
+    events = []
+    stretch, round_ = loop.Generation.stretch, loop.Generation.round
+
+    def counted(self, count):
+        events.append(count)
+        yield from stretch(self, count)
+
+    def logged(self, n, remaining):
+        events.append("round")
+        return round_(self, n, remaining)
+
+    def expected(events):
+        since = 0
+        for event in events:
+            if event == "round":
+                since = 0
+                continue
+            yield min(loop.STRETCH * 2**since, loop.LONGEST_STRETCH)
+            since += 1
+
+    monkeypatch.setattr(loop.Generation, "stretch", counted)
+    monkeypatch.setattr(loop.Generation, "round", logged)
+    monkeypatch.setattr(DraftLength, "pays", lambda self, label, replays=False: False)
+    monkeypatch.setattr(DraftLength, "choose", lambda self, *args, **kwargs: 0)
+    _, _, stats = run(PROMPT, target, None, drafter="prompt-lookup", adaptive=True, max_tokens=300)
+    assert stats.drafted == 0 and "round" not in events
+    assert events[:5] == [8, 16, 32, 64, 64]
+    assert (loop.STRETCH, loop.LONGEST_STRETCH) == (8, 64)
+    # The last stretch is cut to the tokens left.
+    assert events[:-1] == list(expected(events))[:-1]
+
+    # A round of one draft token at every third choice.
+    choices = itertools.cycle([0, 0, 1])
+    monkeypatch.setattr(DraftLength, "choose", lambda self, *args, **kwargs: next(choices))
+    events.clear()
+    run(PROMPT, target, None, drafter="prompt-lookup", adaptive=True, max_tokens=300)
+    stretches = [event for event in events if event != "round"]
+    assert events.count("round") >= 3 and stretches.count(loop.STRETCH) >= 3
+    assert stretches[:-1] == list(expected(events))[:-1]
 
 
 def test_fixed_length_flushes_replays_that_grew() -> None:
