@@ -2,11 +2,11 @@
 
 With adaptive draft lengths, where drafting does not pay, mlx-spec's loop runs stretches of
 pipelined plain steps (``Generation.stretch``). They should cost what mlx-lm's ``generate_step``
-costs: this times both, interleaved, on the same prompt, at temperature 0:
+costs: this times both, interleaved, on the same prompt, at each temperature of ``--temps``:
 
-- ``plain``: ``mlx_lm.generate.generate_step``;
-- ``stretch``: ``speculative_generate_step`` with adaptive lengths and a drafter that never
-  proposes anything, so every token is a stretch's plain step;
+- ``plain``: ``mlx_lm.generate.generate_step``, with mlx-lm's sampler;
+- ``stretch``: ``speculative_generate_step`` with adaptive lengths, mlx-spec's sampler and a
+  drafter that never proposes anything, so every token is a stretch's plain step;
 - ``lookup``: the same with prompt lookup (``drafter="prompt-lookup"``), which also checks a
   guess each step and drafts where guesses pay.
 
@@ -19,8 +19,8 @@ than mlx-lm's plain decoding). On MLX's CUDA backend, cuDNN attention is left of
 (``MLX_CUDA_USE_CUDNN_SDPA=0``, as ``mlx-spec`` sets it) unless the environment sets it, so no
 method pays for building attention graphs of new shapes.
 
-Usage: ``python benchmarks/plain_steps.py [--pair host demo 16x2048 ...] [--tokens 256]
-[--repeats 7]``.
+Usage: ``python benchmarks/plain_steps.py [--pair host demo 16x2048 ...] [--temps 0 0.8]
+[--tokens 256] [--repeats 7]``.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache
+from mlx_lm.sample_utils import make_sampler as lm_make_sampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -46,6 +47,7 @@ from generation import build_pair
 
 from mlx_spec.drafters import Draft, Drafter, Text
 from mlx_spec.generation import speculative_generate_step
+from mlx_spec.sampling import make_sampler
 
 
 class Silent(Drafter):
@@ -86,15 +88,25 @@ def _target_and_prompt(name: str) -> tuple[nn.Module, mx.array]:
     return pair.target, pair.workloads["open"][0]
 
 
-def _methods(target: nn.Module, prompt: mx.array, tokens: int) -> dict[str, Callable[[], None]]:
+def _methods(
+    target: nn.Module, prompt: mx.array, tokens: int, temp: float
+) -> dict[str, Callable[[], None]]:
     def plain() -> None:
-        for _ in generate_step(prompt, target, max_tokens=tokens):
+        mx.random.seed(0)
+        sampler = lm_make_sampler(temp=temp)
+        for _ in generate_step(prompt, target, max_tokens=tokens, sampler=sampler):
             pass
 
     def adaptive(drafter: Drafter | str) -> Callable[[], None]:
         def run() -> None:
             steps = speculative_generate_step(
-                prompt, target, drafter=drafter, adaptive=True, max_tokens=tokens
+                prompt,
+                target,
+                drafter=drafter,
+                adaptive=True,
+                max_tokens=tokens,
+                sampler=make_sampler(temp=temp),
+                key=mx.random.key(0),
             )
             for _ in steps:
                 pass
@@ -107,33 +119,36 @@ def _methods(target: nn.Module, prompt: mx.array, tokens: int) -> dict[str, Call
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pair", nargs="+", default=["host", "demo"])
+    parser.add_argument("--temps", type=float, nargs="+", default=[0.0])
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
     print(
         f"# plain steps: {mx.default_device()}, MLX {mx.__version__}, {args.tokens} tokens, "
-        f"temperature 0, median of {args.repeats} interleaved runs; ms a token "
+        f"median of {args.repeats} interleaved runs; ms a token "
         "(plain / method: above 1 is faster than mlx-lm's plain decoding)"
     )
-    print("| pair | plain | stretch | lookup | plain / stretch | plain / lookup |")
-    print("|---|---|---|---|---|---|")
+    print("| pair | temp | plain | stretch | lookup | plain / stretch | plain / lookup |")
+    print("|---|---|---|---|---|---|---|")
     for name in args.pair:
         target, prompt = _target_and_prompt(name)
-        methods = _methods(target, prompt, args.tokens)
-        for run in methods.values():  # warm-up: compilation and first-use graphs
-            run()
-        times: dict[str, list[float]] = {method: [] for method in methods}
-        for _ in range(args.repeats):
-            for method, run in methods.items():
-                start = time.perf_counter()
+        for temp in args.temps:
+            methods = _methods(target, prompt, args.tokens, temp)
+            for run in methods.values():  # warm-up: compilation and first-use graphs
                 run()
-                times[method].append(1e3 * (time.perf_counter() - start) / args.tokens)
-        ms = {method: statistics.median(values) for method, values in times.items()}
-        print(
-            f"| {name} | {ms['plain']:.3f} | {ms['stretch']:.3f} | {ms['lookup']:.3f} | "
-            f"{ms['plain'] / ms['stretch']:.2f}x | {ms['plain'] / ms['lookup']:.2f}x |",
-            flush=True,
-        )
+            times: dict[str, list[float]] = {method: [] for method in methods}
+            for _ in range(args.repeats):
+                for method, run in methods.items():
+                    start = time.perf_counter()
+                    run()
+                    times[method].append(1e3 * (time.perf_counter() - start) / args.tokens)
+            ms = {method: statistics.median(values) for method, values in times.items()}
+            print(
+                f"| {name} | {temp} | {ms['plain']:.3f} | {ms['stretch']:.3f} | "
+                f"{ms['lookup']:.3f} | {ms['plain'] / ms['stretch']:.2f}x | "
+                f"{ms['plain'] / ms['lookup']:.2f}x |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -117,16 +117,19 @@ def test_proposal_cost_table():
 
 
 def test_plain_steps_table():
-    proc = script("plain_steps", "--pair", "host", "--tokens", "16", "--repeats", "1")
+    proc = script(
+        "plain_steps", "--pair", "host", "--temps", "0", "0.8", "--tokens", "16", "--repeats", "1"
+    )
     assert proc.returncode == 0, proc.stderr
-    (row,) = markdown_table(proc.stdout, "pair")
-    assert row["pair"] == "host"
-    plain = float(row["plain"])
-    for method in ("stretch", "lookup"):
-        # Milliseconds printed to 3 decimals, the ratio to 2.
-        ms = float(row[method])
-        slack = 0.005 + (plain / ms) * (0.0005 / plain + 0.0005 / ms)
-        assert abs(float(row[f"plain / {method}"].rstrip("x")) - plain / ms) <= slack
+    rows = markdown_table(proc.stdout, "pair")
+    assert [(row["pair"], row["temp"]) for row in rows] == [("host", "0.0"), ("host", "0.8")]
+    for row in rows:
+        plain = float(row["plain"])
+        for method in ("stretch", "lookup"):
+            # Milliseconds printed to 3 decimals, the ratio to 2.
+            ms = float(row[method])
+            slack = 0.005 + (plain / ms) * (0.0005 / plain + 0.0005 / ms)
+            assert abs(float(row[f"plain / {method}"].rstrip("x")) - plain / ms) <= slack
 
 
 @pytest.mark.slow
