@@ -17,12 +17,14 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, Literal
 
 import mlx.core as mx
 
 from . import kernels
-from .acceptance import greedy_decision, greedy_token, sampled_decision
+from .acceptance import _compile_per_thread, greedy_decision, greedy_token, sampled_decision
+from .sampling import SpecSampler
 
 __all__ = ["Rule", "make_rule"]
 
@@ -47,6 +49,29 @@ def _fit_vocab(rows: mx.array, vocab: int) -> mx.array:
 
 def _logprobs(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+@cache
+def _sampled_step(
+    sampler: SpecSampler, fused: bool
+) -> Callable[[mx.array, mx.array], tuple[mx.array, mx.array, mx.array]]:
+    """A plain sampled step under ``sampler`` as one compiled graph: the log-probabilities, the
+    distribution and the draw of :func:`mlx_spec.acceptance.sampled_decision` at ``N = 0``, the
+    same values :meth:`Rule.decide` computes one operation at a time, with less host work a
+    step. Compiled again for each vocabulary size (and thread)."""
+
+    def step(logits: mx.array, key: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        logprobs = _logprobs(logits)
+        v = logits.shape[-1]
+        none = mx.array([], dtype=mx.uint32)
+        probs = sampler.probs(logprobs)
+        result = sampled_decision(
+            probs, none, None, None, key, fused=fused and v <= kernels.MAX_VOCAB
+        )
+        token = result[1:2]
+        return token, mx.minimum(token, v - 1), logprobs
+
+    return _compile_per_thread(step)
 
 
 @dataclass(frozen=True)
@@ -150,6 +175,8 @@ class Rule:
         if self.kind == "greedy":
             token, fed = greedy_token(logits, on_cpu=on_cpu)
             return token, fed, _logprobs(logits)
+        if self.kind == "sampled" and isinstance(self.sampler, SpecSampler):
+            return _sampled_step(self.sampler, fused)(logits, key)
         none = mx.array([], dtype=mx.uint32)
         result, logprobs = self.decide(logits, none, None, None, key, fused=fused, on_cpu=on_cpu)
         token = result[1:2]

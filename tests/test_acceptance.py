@@ -101,6 +101,39 @@ def test_a_plain_greedy_token_is_the_next_of_an_empty_draft(row, on_cpu):
     assert (token.item() >= INVALID_ROW) == (row[1] != 2.0)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"temp": 1.0},
+        {"temp": 0.7, "top_p": 0.9},
+        {"temp": 1.3, "top_k": 3},
+        {"temp": 1.0, "min_p": 0.1},
+    ],
+    ids=["temp", "top-p", "top-k", "min-p"],
+)
+def test_a_plain_sampled_step_draws_the_next_of_an_empty_draft(options):
+    # The loop's sampled plain steps run one compiled graph instead of Rule.decide at N = 0: with
+    # the same key, the same token (so a stretch gives the text rounds would), INVALID_ROW for a
+    # row that is no distribution, and always an id the model can embed.
+    from mlx_spec.rules import make_rule
+    from mlx_spec.sampling import make_sampler
+
+    rule = make_rule(make_sampler(**options))
+    logits = mx.random.normal((1, 50), key=mx.random.key(4)) * 3
+    drawn = []
+    for seed in range(40):
+        key = mx.random.key(seed)
+        token, fed, logprobs = rule.step(logits, key, fused=False, on_cpu=True)
+        result, reference = rule.decide(logits, ids(), None, None, key, fused=False, on_cpu=True)
+        assert token.tolist() == [result.tolist()[1]] == fed.tolist()
+        assert mx.array_equal(logprobs, reference).item()
+        drawn.append(token.item())
+    assert len(set(drawn)) >= 3  # the keys matter: not one token whatever the key
+    nan_row = mx.array([[0.5, NAN, 1.0, 2.0]])
+    token, fed, _ = rule.step(nan_row, mx.random.key(0), fused=False, on_cpu=True)
+    assert token.item() >= INVALID_ROW and 0 <= fed.item() < 4
+
+
 def test_single_token_vocabulary():
     assert read(accept_greedy(mx.zeros((3, 1)), ids(0, 0))) == (2, 0, False)
     probs = mx.ones((3, 1))
