@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from typing import Any, Literal
 
 import mlx.core as mx
@@ -49,29 +49,6 @@ def _fit_vocab(rows: mx.array, vocab: int) -> mx.array:
 
 def _logprobs(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
-@cache
-def _sampled_step(
-    sampler: SpecSampler, fused: bool
-) -> Callable[[mx.array, mx.array], tuple[mx.array, mx.array, mx.array]]:
-    """A plain sampled step under ``sampler`` as one compiled graph: the log-probabilities, the
-    distribution and the draw of :func:`mlx_spec.acceptance.sampled_decision` at ``N = 0``, the
-    same values :meth:`Rule.decide` computes one operation at a time, with less host work a
-    step. Compiled again for each vocabulary size (and thread)."""
-
-    def step(logits: mx.array, key: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        logprobs = _logprobs(logits)
-        v = logits.shape[-1]
-        none = mx.array([], dtype=mx.uint32)
-        probs = sampler.probs(logprobs)
-        result = sampled_decision(
-            probs, none, None, None, key, fused=fused and v <= kernels.MAX_VOCAB
-        )
-        token = result[1:2]
-        return token, mx.minimum(token, v - 1), logprobs
-
-    return _compile_per_thread(step)
 
 
 @dataclass(frozen=True)
@@ -175,12 +152,28 @@ class Rule:
         if self.kind == "greedy":
             token, fed = greedy_token(logits, on_cpu=on_cpu)
             return token, fed, _logprobs(logits)
-        if self.kind == "sampled" and isinstance(self.sampler, SpecSampler):
-            return _sampled_step(self.sampler, fused)(logits, key)
+        if isinstance(self.sampler, SpecSampler):
+            # Its distribution is MLX operations alone: one compiled graph costs the host less
+            # a step than building the same operations one at a time, and gives the same values.
+            return _compiled_step(self, fused, on_cpu)(logits, key)
+        return self._step(logits, key, fused=fused, on_cpu=on_cpu)
+
+    def _step(
+        self, logits: mx.array, key: mx.array | None, *, fused: bool, on_cpu: bool
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """:meth:`step` for the rules that draw: :meth:`decide` without a draft."""
         none = mx.array([], dtype=mx.uint32)
         result, logprobs = self.decide(logits, none, None, None, key, fused=fused, on_cpu=on_cpu)
         token = result[1:2]
         return token, mx.minimum(token, logits.shape[-1] - 1), logprobs
+
+
+@cache
+def _compiled_step(
+    rule: Rule, fused: bool, on_cpu: bool
+) -> Callable[[mx.array, mx.array | None], tuple[mx.array, mx.array, mx.array]]:
+    """``rule``'s plain step compiled (in each thread; traced again for each vocabulary)."""
+    return _compile_per_thread(partial(rule._step, fused=fused, on_cpu=on_cpu))
 
 
 def make_rule(sampler: Any) -> Rule:
