@@ -72,9 +72,9 @@ class Costs:
 
 
 DEVICES = {
-    # A stretch's first step waits for its own host work: most of a pipelined step on the H200,
-    # whose one-token steps of the demo target are about as long on the host as on the device,
-    # and little on the CPU, whose device work is most of a step.
+    # A stretch's first step waits for its own host work: most of a pipelined step where a small
+    # target's step is about as long on the host as on the device (a GPU), little where the
+    # device's work is most of a step (a CPU that computes every scored position).
     "gpu": Costs(round=2.3, position=0.08, draft_step=0.25, stretch_start=0.6, noise=0.1),
     "cpu": Costs(round=0.4, position=0.6, draft_step=0.25, stretch_start=0.1, noise=0.1),
 }

@@ -112,9 +112,9 @@ def test_a_plain_greedy_token_is_the_next_of_an_empty_draft(row, on_cpu):
     ids=["temp", "top-p", "top-k", "min-p"],
 )
 def test_a_plain_sampled_step_draws_the_next_of_an_empty_draft(options):
-    # The loop's sampled plain steps run one compiled graph instead of Rule.decide at N = 0: with
-    # the same key, the same token (so a stretch gives the text rounds would), INVALID_ROW for a
-    # row that is no distribution, and always an id the model can embed.
+    # The loop's sampled plain steps run Rule.decide at N = 0 compiled into one graph: with the
+    # same key, the same token as decide run op by op (so a stretch gives the text rounds would),
+    # INVALID_ROW for a row that is no distribution, and always an id the model can embed.
     from mlx_spec.rules import make_rule
     from mlx_spec.sampling import make_sampler
 

@@ -514,8 +514,8 @@ def test_the_choice_maximises_the_expected_tokens_per_second(replays) -> None:
         for drafted in (1, 16, 1, 16):  # rounds of exact costs: the fit recovers base and slope
             lengths.record(drafted, 0, drafted + 1, 0, base + slope * (drafted + 1))
         lengths.record_plain(plain)
-        for kept in rng.random(int(rng.integers(0, 30))) < rng.random():
-            lengths.shadow(int(kept) * 2, 2, label=2)
+        for success in rng.random(int(rng.integers(0, 30))) < rng.random():
+            lengths.shadow(int(success) * 2, 2, label=2)
         a1, a = lengths.acceptance(2)
         pending, top = int(rng.integers(1, 4)), int(rng.integers(1, 17))
         survival = [1.0] + [a1 * a ** (i - 1) for i in range(1, top + 2)]
