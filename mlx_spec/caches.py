@@ -14,7 +14,10 @@ Those are restored from a checkpoint taken before the call (:meth:`ModelCache.ch
 arrays are immutable values, so a checkpoint holds references, not copies; an array that a cache
 overwrites in place (``a[i] = x`` rebinds the array object) is held through a new object of the
 same value, so the write does not reach the checkpoint. A model whose caches were restored lacks
-the tokens fed since the checkpoint: the caller feeds them again with its next call.
+the tokens fed since the checkpoint: the caller feeds them again with its next call. The gated
+delta-net layers that :mod:`mlx_spec.recurrent` knows need no such replay: within
+:meth:`ModelCache.tracking`, their state after every position of a call is kept, and a rewind
+into that call takes the state at its length.
 
 :func:`check_caches` refuses, before any work, a cache this module cannot take back exactly.
 """
@@ -29,6 +32,7 @@ from functools import partial
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import (
     ArraysCache,
     CacheList,
@@ -39,6 +43,8 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
     make_prompt_cache,
 )
+
+from . import recurrent
 
 __all__ = ["ModelCache", "check_caches", "decode_masks"]
 
@@ -259,27 +265,52 @@ def _snapshots_needed(layers: list[Any]) -> bool:
     )
 
 
+def _tracks(layers: list[Any], tracked: int) -> bool:
+    """Whether ``tracked`` layers of a model (:func:`mlx_spec.recurrent.track`) are all its
+    recurrent ones: ``ArraysCache`` entries of ``layers`` holding a convolution's and a
+    recurrence's state, none inside a ``CacheList``."""
+    recurrent_layers = [layer for layer in layers if _kind(layer) == "recurrent"]
+    return (
+        tracked > 0
+        and len(recurrent_layers) == tracked
+        and all(isinstance(c, ArraysCache) and len(c.cache) == 2 for c in recurrent_layers)
+        and not any(_kind(layer) == "list" and _replays(list(layer.caches)) for layer in layers)
+    )
+
+
 @dataclass
 class _Checkpoint:
     length: int
     states: list[Any]
+    # The recurrent layers' states after each position of the call made from this checkpoint.
+    positions: list[recurrent.Positions] | None = None
 
 
 class ModelCache:
     """One model's caches and the length of text they hold, taken back exactly on request.
+
+    Args:
+        layers (list): the caches, one per layer.
+        length (int, optional): tokens of the text they hold. Default: ``0``.
+        model (nn.Module, optional): the model they serve. Where all its recurrent layers are
+            gated delta-net layers that :mod:`mlx_spec.recurrent` knows, calls made within
+            :meth:`tracking` keep their state after every position, and a rewind into such a
+            call needs no replay. Default: none (rewinds restore checkpoints).
 
     Attributes:
         layers (list): the caches, one per layer, updated in place (quantization replaces some
             of them in this list).
         length (int): tokens of the text the caches hold.
         replays (bool): whether a rejected draft is taken back by restoring a checkpoint (some
-            layer keeps a recurrent state) rather than by trimming.
+            layer keeps a recurrent state that is not tracked) rather than by trimming.
     """
 
-    def __init__(self, layers: list[Any], length: int = 0) -> None:
+    def __init__(self, layers: list[Any], length: int = 0, model: nn.Module | None = None) -> None:
         self.layers = layers
         self.length = length
-        self.replays = _replays(layers)
+        replays = _replays(layers)
+        self._tracked = replays and model is not None and _tracks(layers, recurrent.track(model))
+        self.replays = replays and not self._tracked
         self._snapshots = _snapshots_needed(layers)
         self._checkpoints: list[_Checkpoint] = []
 
@@ -294,19 +325,51 @@ class ModelCache:
             states = [_snapshot(layer) for layer in self.layers]
             self._checkpoints.append(_Checkpoint(self.length, states))
 
-    def forget(self) -> None:
-        """Drops every checkpoint."""
-        self._checkpoints.clear()
+    @contextmanager
+    def tracking(self) -> Iterator[None]:
+        """Within it, one call of the model, made just after :meth:`checkpoint`, keeps its
+        tracked layers' states after every position for :meth:`rewind`; without tracked layers
+        it changes nothing."""
+        if not self._tracked or not self._checkpoints:
+            yield
+            return
+        point = self._checkpoints[-1]
+        with recurrent.tracking() as records:
+            yield
+        fed = self.length - point.length
+        recurrent_layers = sum(_kind(layer) == "recurrent" for layer in self.layers)
+        if (
+            fed > 0
+            and len(records) == recurrent_layers
+            and all(len(r.states) == fed for r in records)
+        ):
+            point.positions = records
+
+    def forget(self, length: int | None = None) -> None:
+        """Drops the checkpoints no longer needed.
+
+        Args:
+            length (int, optional): keep the latest checkpoint at or below it, so the caches can
+                still be taken back to ``length`` (tokens that may yet be refused). Default: drop
+                them all.
+        """
+        kept = [c for c in self._checkpoints if length is not None and c.length <= length]
+        self._checkpoints = kept[-1:]
 
     def fed(self, count: int) -> None:
         """Records that the model was just called on ``count`` more tokens."""
         self.length += count
+        # The states a tracked call kept describe the caches as that call left them.
+        for point in self._checkpoints:
+            point.positions = None
 
     def rewind(self, length: int) -> int:
         """Takes the caches back to hold ``length`` tokens, or fewer when only a checkpoint can.
 
-        Trims every layer when that is exact for all of them; otherwise restores the latest
-        checkpoint at or below ``length``. Checkpoints above the result are dropped.
+        Trims every layer when that is exact for all of them; otherwise, when ``length`` falls
+        inside the last call and it was tracked (:meth:`tracking`), takes each tracked layer's
+        state at ``length`` and trims the others; otherwise restores the latest checkpoint at or
+        below ``length``. Checkpoints above the result are dropped.
 
         Args:
             length (int): the tokens to keep.
@@ -334,8 +397,26 @@ class ModelCache:
                     f"hold {self.length}, checkpoints at {[c.length for c in self._checkpoints]})"
                 )
             point = usable[-1]
-            for layer, state in zip(self.layers, point.states, strict=True):
-                _restore(layer, state, self.length - point.length)
-            self.length = point.length
+            if self._within(point, length, n):
+                positions = iter(point.positions)
+                for layer in self.layers:
+                    if _kind(layer) == "recurrent":
+                        layer.cache = next(positions).after(length - point.length)
+                    else:
+                        _trim(layer, n)
+                self.length = length
+            else:
+                for layer, state in zip(self.layers, point.states, strict=True):
+                    _restore(layer, state, self.length - point.length)
+                self.length = point.length
         self._checkpoints = [c for c in self._checkpoints if c.length <= self.length]
         return self.length
+
+    def _within(self, point: _Checkpoint, length: int, n: int) -> bool:
+        """Whether ``length`` falls inside the tracked call made from ``point`` (the last call),
+        and the other layers drop their newest ``n`` tokens exactly."""
+        return (
+            point.positions is not None
+            and point.length < length
+            and all(_trimmable(layer, n) for layer in self.layers if _kind(layer) != "recurrent")
+        )

@@ -280,7 +280,9 @@ class ModelDrafter(Drafter):
             # prefix of the text, and the next proposal feeds what they lack.
             return
         self.cache.rewind(self._base + accepted)
-        self.cache.forget()
+        # The round's tokens may yet be refused (a generation closed mid-round): keep what takes
+        # the caches back to the text before them.
+        self.cache.forget(self._base)
         self._base = None
 
     def finish(self, text: Text, length: int, feed: bool) -> None:

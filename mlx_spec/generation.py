@@ -207,8 +207,10 @@ def speculative_generate_step(
     draft tokens, together). Tokens are yielded as soon as a round is read; ``max_tokens`` and
     the EOS ids end the generation exactly, also within a round. Every cache class that mlx-lm's
     models build is supported: appending KV caches are trimmed, rotating (sliding-window) ones
-    trimmed exactly, and recurrent ones (``ArraysCache``, in hybrid models) restored from a
-    checkpoint, the kept tokens then being fed again within the next round's target call. When
+    trimmed exactly, the gated delta-net layers of Qwen3-Next and Qwen3.5 models take the state
+    kept after the last kept position (:mod:`mlx_spec.recurrent`), and other recurrent ones
+    (``ArraysCache``, in hybrid models) are restored from a checkpoint, the kept tokens then
+    being fed again within the next round's target call. When
     the generator finishes, is closed or raises, the caches hold exactly the prompt and the
     tokens yielded (the last one included).
 
@@ -327,7 +329,7 @@ def speculative_generate_step(
     text = Text(prompt.astype(mx.uint32), ids)
     target = Target(
         model,
-        ModelCache(target_cache),
+        ModelCache(target_cache, model=model),
         processors,
         quantize,
         quantized_kv_start if kv_bits is not None else None,

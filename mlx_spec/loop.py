@@ -10,7 +10,9 @@ lengths) round by round and yields each token as soon as its round is read. A ro
    token after them;
 4. one host read brings back that ``[3]`` result together with the draft tokens;
 5. every cache is taken back to what was kept (:mod:`mlx_spec.caches`): trimmed where that is
-   exact, else restored from a checkpoint, the kept tokens then going into the next round's call.
+   exact, set to the state kept after the last kept position for the recurrent layers that
+   :mod:`mlx_spec.recurrent` knows, else restored from a checkpoint, the kept tokens then going
+   into the next round's call.
 
 When the generation ends, is closed or raises, the caches hold the prompt and the tokens yielded.
 """
@@ -156,7 +158,7 @@ class Target:
         # A draft id the target cannot embed is never accepted; feed a valid id in its place.
         # As uint32, a negative int32 id of a drafter of one's own is one of those too.
         fed = draft if self.vocab is None else mx.minimum(draft.astype(mx.uint32), self.vocab - 1)
-        with decode_masks(self.cache.layers):
+        with decode_masks(self.cache.layers), self.cache.tracking():
             logits = self.feed(mx.concatenate([text.tokens(self.cache.length), fed]))[-(n + 1) :]
         if not self.processors:
             return logits
@@ -170,11 +172,13 @@ class Target:
             rows.append(row)
         return mx.concatenate(rows)
 
-    def keep(self, length: int) -> int:
+    def keep(self, length: int, start: int) -> int:
         """Keeps ``length`` tokens of the text, or fewer where a checkpoint had to be restored;
-        then quantizes as mlx-lm would. Returns the tokens the caches hold."""
+        then quantizes as mlx-lm would. The caches can still be taken back to ``start`` (the
+        text before the round, whose tokens may yet be refused when the generation is closed
+        mid-round). Returns the tokens the caches hold."""
         held = self.cache.rewind(length)
-        self.cache.forget()
+        self.cache.forget(start)
         self.quantize(self.cache.layers)
         return held
 
@@ -305,7 +309,7 @@ class Generation:
         tokens = tokens[:remaining]
         kept = min(accepted, len(tokens))
         self.text.extend(tokens)
-        self.target.keep(length + kept)
+        self.target.keep(length + kept, length)
         self.drafter.update(self.text, kept)
         if shadow is not None and shadow.size:
             self.lengths.shadow(int(values[3 + draft.size] == token), 1, shadow.label)

@@ -3,8 +3,11 @@
 Each case is a real mlx-lm model class with tiny random weights and the caches its
 ``make_prompt_cache`` gives it (or mlx-lm's ``max_kv_size`` / ``kv_bits`` options):
 
-- ``qwen3_next`` and ``lfm2``: hybrids, whose recurrent layers (``ArraysCache``) are restored
-  from a checkpoint and replayed after a rejected draft; their drafts are hybrids too;
+- ``qwen3_next`` and ``qwen3_5``: hybrids of gated delta-net layers (``ArraysCache``), whose
+  state after every position of a verification is kept (:mod:`mlx_spec.recurrent`), so a
+  rejected draft needs no replay; their drafts are hybrids too;
+- ``lfm2``: a hybrid of short convolutions (``ArraysCache``), restored from a checkpoint and
+  replayed after a rejected draft;
 - ``gemma3``: sliding windows of 8 tokens (``RotatingKVCache``), wrapped dozens of times;
 - ``max_kv_size``: the demo pair with the rotating caches of mlx-lm's ``--max-kv-size`` (they keep
   the first 4 tokens);
@@ -29,10 +32,10 @@ from first_tokens import THRESHOLD, chi_square_p, exact_joint, sampled_pairs
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
-from tiny_models import cut, tiny_gemma3, tiny_lfm2, tiny_llama, tiny_qwen3_next
+from tiny_models import cut, tiny_gemma3, tiny_lfm2, tiny_llama, tiny_qwen3_5, tiny_qwen3_next
 
 import mlx_spec
-from mlx_spec import caches
+from mlx_spec import caches, recurrent
 from mlx_spec.generation import SpeculativeStats, speculative_generate_step
 from mlx_spec.sampling import make_sampler
 
@@ -69,6 +72,7 @@ def _kv_bits() -> dict:
 
 CASES = {
     "qwen3_next": lambda: _tiny(tiny_qwen3_next),
+    "qwen3_5": lambda: _tiny(tiny_qwen3_5),
     "lfm2": lambda: _tiny(tiny_lfm2),
     "gemma3": lambda: _tiny(tiny_gemma3),
     "max_kv_size": _max_kv_size,
@@ -138,7 +142,7 @@ def test_the_cases_build_the_caches_they_test() -> None:
     kinds = {}
     for name in CASES:
         kinds[name] = {type(c).__name__ for c in case(name)["cache"](case(name)["model"])}
-    assert kinds["qwen3_next"] == kinds["lfm2"] == {"ArraysCache", "KVCache"}
+    assert kinds["qwen3_next"] == kinds["qwen3_5"] == kinds["lfm2"] == {"ArraysCache", "KVCache"}
     assert kinds["gemma3"] == {"RotatingKVCache", "KVCache"}
     assert kinds["max_kv_size"] == {"RotatingKVCache"}
     assert {c.keep for c in case("max_kv_size")["cache"](case("max_kv_size")["model"])} == {4}
@@ -164,9 +168,11 @@ def greedy_equals_plain(name: str, drafter: str, n: int) -> None:
     assert tokens == reference
     if name == "kv_bits":
         assert {type(c).__name__ for c in cache} == {"QuantizedKVCache"}
-    # The rollback was exercised: drafts were rejected, and a hybrid replayed them.
+    # The rollback was exercised: drafts were rejected. The short-convolution hybrid replayed
+    # them; the gated delta-net hybrids, whose recurrent caches cannot be trimmed, took the
+    # states kept after the kept positions instead.
     assert 0 < stats.accepted < stats.drafted
-    if name in ("qwen3_next", "lfm2"):
+    if name == "lfm2":
         assert stats.replayed > 0
     else:
         assert stats.replayed == 0
@@ -203,7 +209,7 @@ def test_gemma3_window_wraps_many_times() -> None:
     assert windows == {8}
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "gemma3", "max_kv_size"])
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2", "gemma3", "max_kv_size"])
 def test_caches_hold_prompt_and_yielded_tokens_for_reuse(name: str) -> None:
     # Stop after 37 tokens (mid-round), then continue from the same caches: the continuation is
     # plain decoding's, so the caches held exactly the prompt and the 37 tokens.
@@ -216,6 +222,22 @@ def test_caches_hold_prompt_and_yielded_tokens_for_reuse(name: str) -> None:
     assert first == reference[:37]
     more = steps_on(name, cache, [reference[37]], 4, 20)
     assert [t for t, _, _ in more] == reference[38:58]
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2"])
+def test_closing_at_any_token_leaves_the_caches_reusable(name: str) -> None:
+    # Closed after each of the first 12 tokens, within rounds that kept all their drafts or not:
+    # the caches then hold the prompt and the tokens yielded, and plain decoding continues.
+    reference = plain(name)
+    c = case(name)
+    for stop in range(1, 13):
+        cache = c["cache"](c["model"]) + c["cache"](c["draft"])
+        steps = steps_on(name, cache, PROMPT, 4, 300)
+        first = [t for t, _, _ in itertools.islice(steps, stop)]
+        steps.close()
+        assert first == reference[:stop]
+        more = steps_on(name, cache, [reference[stop]], 4, 5)
+        assert [t for t, _, _ in more] == reference[stop + 1 : stop + 6], stop
 
 
 def test_prompt_cache_holds_the_quantized_caches_during_generation() -> None:
@@ -232,7 +254,7 @@ def test_prompt_cache_holds_the_quantized_caches_during_generation() -> None:
     assert [t for t, _, _ in before + after] == reference[:50]
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2", "gemma3"])
 def test_error_in_first_round_leaves_the_prompt_in_the_caches(name: str) -> None:
     c = case(name)
     cache = c["cache"](c["model"]) + c["cache"](c["draft"])
@@ -267,10 +289,12 @@ SAMPLES = 1500
 
 def _small(name: str):
     """The case's model class with 24 tokens, a draft and the caches to give both. Hybrids get an
-    unrelated draft (another seed), so that nearly every sample goes through a restore and a
-    replay; the others their first layers."""
+    unrelated draft (another seed), so that nearly every sample goes through a rollback of the
+    recurrent layers; the others their first layers."""
     if name == "qwen3_next":
         model, draft = (tiny_qwen3_next(s, vocab=SMALL_VOCAB, head=3.0) for s in (3, 9))
+    elif name == "qwen3_5":
+        model, draft = (tiny_qwen3_5(s, vocab=SMALL_VOCAB, head=3.0) for s in (3, 9))
     elif name == "lfm2":
         model, draft = (tiny_lfm2(s, vocab=SMALL_VOCAB, head=3.0) for s in (3, 9))
     elif name == "gemma3":
@@ -319,7 +343,7 @@ def test_first_two_tokens_have_the_target_distribution(name: str) -> None:
 def test_negative_control_recurrent_state_not_restored_fails(monkeypatch) -> None:
     # Restoring only the length, not the recurrent state: the second token then follows the
     # rejected draft token too.
-    model, draft, make_cache, options = _small("qwen3_next")
+    model, draft, make_cache, options = _small("lfm2")
     expected = joint(model, make_cache, options)
     original = caches._restore
 
@@ -328,6 +352,21 @@ def test_negative_control_recurrent_state_not_restored_fails(monkeypatch) -> Non
             original(layer, snapshot, n)
 
     monkeypatch.setattr(caches, "_restore", length_only)
+    counts = draws(model, draft, make_cache, options)
+    assert chi_square_p(counts, expected) < THRESHOLD
+
+
+@pytest.mark.statistical
+def test_negative_control_state_after_the_whole_call_fails(monkeypatch) -> None:
+    # Taking the tracked layers' state after every token fed, the rejected ones included.
+    model, draft, make_cache, options = _small("qwen3_next")
+    expected = joint(model, make_cache, options)
+    original = recurrent.Positions.after
+
+    def after_all(positions, count):
+        return original(positions, len(positions.states))
+
+    monkeypatch.setattr(recurrent.Positions, "after", after_all)
     counts = draws(model, draft, make_cache, options)
     assert chi_square_p(counts, expected) < THRESHOLD
 

@@ -3,12 +3,13 @@
 Each builder makes a real mlx-lm model class with float32 weights drawn from a seed and scaled so
 that its text is varied and its distributions peaked, as a trained model's are. Layers after the
 first two weigh ``late`` times as much as those, so :func:`cut` to two layers makes a draft that
-agrees with the model on most tokens. The llama and qwen3-next builders also take a width, for the
-larger random pairs of ``benchmarks/generation.py``.
+agrees with the model on most tokens. The llama, qwen3-next and LFM2 builders also take a width,
+for the larger random models of ``benchmarks/generation.py``.
 
 - :func:`tiny_llama`: attention only (``KVCache``).
 - :func:`tiny_qwen2`: attention only, without a ``make_cache`` of its own.
 - :func:`tiny_qwen3_next`: a hybrid of gated delta-net layers (``ArraysCache``) and attention.
+- :func:`tiny_qwen3_5`: Qwen3.5's hybrid of gated delta-net layers and attention.
 - :func:`tiny_lfm2`: a hybrid of short convolutions (``ArraysCache``) and attention.
 - :func:`tiny_gemma3`: sliding-window attention (``RotatingKVCache``) and global attention.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
-from mlx_lm.models import gemma3_text, lfm2, llama, qwen2, qwen3_next
+from mlx_lm.models import gemma3_text, lfm2, llama, qwen2, qwen3_5, qwen3_next
 
 
 def _scaled(model: nn.Module, layer_scale: Callable[[int], float], head: float) -> nn.Module:
@@ -130,14 +131,46 @@ def tiny_qwen3_next(
     return _scaled(qwen3_next.Model(args), lambda i: early if i < 2 else late, head)
 
 
+def tiny_qwen3_5(seed: int, *, vocab: int = 256, layers: int = 4, head: float = 4.0):
+    """A Qwen3.5 text model: gated delta-net layers, every second layer full attention; the later
+    layers weigh half as much as the first two."""
+    width = 16
+    text = {
+        "model_type": "qwen3_5_text",
+        "hidden_size": 64,
+        "num_hidden_layers": layers,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": width,
+        "linear_value_head_dim": width,
+        "head_dim": width,
+        "vocab_size": vocab,
+        "full_attention_interval": 2,
+        "max_position_embeddings": 4096,
+    }
+    mx.random.seed(seed)
+    model = qwen3_5.Model(qwen3_5.ModelArgs(model_type="qwen3_5", text_config=text))
+    return _scaled(model, lambda i: 1.0 if i < 2 else 0.5, head)
+
+
 def tiny_lfm2(
-    seed: int, *, vocab: int = 256, layers: int = 4, head: float = 4.0, late: float = 0.5
+    seed: int,
+    *,
+    vocab: int = 256,
+    layers: int = 4,
+    head: float = 4.0,
+    late: float = 0.5,
+    hidden: int = 64,
 ):
-    """An LFM2 hybrid: short-convolution layers, every second layer full attention."""
+    """An LFM2 hybrid: short-convolution layers, every second layer full attention; four heads
+    over ``hidden`` dimensions, an MLP twice as wide."""
     args = lfm2.ModelArgs(
         model_type="lfm2",
         vocab_size=vocab,
-        hidden_size=64,
+        hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -145,11 +178,11 @@ def tiny_lfm2(
         norm_eps=1e-5,
         conv_bias=False,
         conv_L_cache=3,
-        block_dim=64,
+        block_dim=hidden,
         block_multiple_of=16,
         block_ffn_dim_multiplier=1.0,
         block_auto_adjust_ff_dim=False,
-        intermediate_size=128,
+        intermediate_size=2 * hidden,
         layer_types=["conv", "full_attention"] * (layers // 2),
     )
     mx.random.seed(seed)
@@ -193,7 +226,11 @@ def tiny_gemma3(
 
 def cut(model: nn.Module, layers: int) -> nn.Module:
     """``model`` with its first ``layers`` layers (and its embeddings and output layer)."""
-    args = dataclasses.replace(model.args, num_hidden_layers=layers)
+    if isinstance(model, qwen3_5.Model):
+        text = {**model.args.text_config, "num_hidden_layers": layers}
+        args = dataclasses.replace(model.args, text_config=text)
+    else:
+        args = dataclasses.replace(model.args, num_hidden_layers=layers)
     if hasattr(args, "layer_types") and args.layer_types is not None:
         args.layer_types = args.layer_types[:layers]
     if isinstance(model, lfm2.Model):
