@@ -20,17 +20,19 @@ Pairs (``--pair``):
   target cut to its first layer.
 - ``16x2048``, ``16x4096``: the same recipe at the sizes of a GPU's models: 16 layers of 2048 or
   4096, vocabulary 32000, bfloat16; the draft is the first layer.
-- ``hybrid``: a qwen3-next 8 x 384 (gated delta-net layers, whose recurrent caches are restored
-  and replayed after a rejection; every second layer attention), vocabulary 4096, the same
-  recipe; the draft is its first two layers (a qwen3-next needs one of each kind). mlx-lm's loop
-  refuses it (its caches cannot be trimmed), so it is left out. Then the cost of the replay:
-  the hybrid against an attention-only twin (a llama of the same width, depth, heads and MLP,
+- ``hybrid``: a qwen3-next 8 x 384 (gated delta-net layers, whose recurrent state after every
+  position of a verification is kept, so a rejection takes the state at the kept length; every
+  second layer attention), vocabulary 4096, the same recipe; the draft is its first two layers (a
+  qwen3-next needs one of each kind). mlx-lm's loop refuses it (its caches cannot be trimmed), so
+  it is left out. Then the cost of taking recurrent caches back: that hybrid and an LFM2 of the
+  same size (short-convolution layers, restored from a checkpoint and replayed after a
+  rejection) against an attention-only twin (a llama of the same width, depth, heads and MLP,
   whose caches are trimmed), each with plain decoding and with a drafter that proposes the
-  target's own greedy tokens made wrong at fixed positions of the text (:class:`ForcedDrafter`,
+  model's own greedy tokens made wrong at fixed positions of the text (:class:`ForcedDrafter`,
   ``--forced-acceptance``). At temperature 0 a target keeps exactly the right tokens before the
-  first wrong one, so both targets keep drafts at the same positions: the same acceptance
-  whatever their models. The second table sets each one's speedup over its own plain decoding
-  side by side.
+  first wrong one, so all three keep drafts at the same positions: the same acceptance whatever
+  their models. The second table sets each hybrid's speedup over its own plain decoding beside
+  the twin's.
 
 The random pairs' workloads are random tokens: input-grounded, a segment of 32 shown twice and
 begun a third time; open, 32 tokens.
@@ -60,7 +62,7 @@ from mlx_spec._demo import WARM_UP
 from mlx_spec.drafters import Draft, Drafter, DraftSetup, Text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from tiny_models import cut, tiny_llama, tiny_qwen3_next
+from tiny_models import cut, tiny_lfm2, tiny_llama, tiny_qwen3_next
 
 PAIRS = ("demo", "random", "16x2048", "16x4096", "hybrid")
 WORKLOADS = ("input-grounded", "open")
@@ -78,6 +80,8 @@ class Pair:
         workloads (dict): workload name to ``[L]`` prompts.
         warm (array): the warm-up's prompt, apart from the measured ones.
         twin (nn.Module, optional): an attention-only model of the target's size (hybrid only).
+        replayed (nn.Module, optional): an LFM2 of the target's size, whose recurrent caches are
+            replayed after a rejection (hybrid only).
     """
 
     name: str
@@ -86,6 +90,7 @@ class Pair:
     workloads: dict[str, list[mx.array]]
     warm: mx.array
     twin: nn.Module | None = None
+    replayed: nn.Module | None = None
 
 
 def _random_prompts(vocab: int, count: int) -> dict[str, list[mx.array]]:
@@ -127,7 +132,9 @@ def build_pair(name: str, prompts: int) -> Pair:
     if name == "hybrid":
         target = tiny_qwen3_next(0, vocab=4096, layers=8, hidden=384, early=3.0, late=0.8, head=6.0)
         twin = _llama(8, 384, 4096, heads=4, intermediate=2 * 384)
-        return Pair(name, target, cut(target, 2), _random_prompts(4096, prompts), warm, twin)
+        replayed = tiny_lfm2(0, vocab=4096, layers=8, hidden=384, head=6.0, late=0.4)
+        workloads = _random_prompts(4096, prompts)
+        return Pair(name, target, cut(target, 2), workloads, warm, twin, replayed)
     if name == "random":
         target = _llama(8, 384, 4096, heads=6, intermediate=4 * 384)
     else:
@@ -195,12 +202,13 @@ def replay_methods(
     max_tokens: int,
     acceptance: float,
 ) -> list[bench.Method]:
-    """Plain decoding and the forced drafter at each ``N`` of ``drafts``, on the hybrid target and
-    on its twin, with the same wrong positions, for ``prompts``."""
+    """Plain decoding and the forced drafter at each ``N`` of ``drafts``, on the hybrid target, the
+    replayed hybrid and their twin, with the same wrong positions, for ``prompts``."""
     length = max_tokens + max(drafts) + 1
     wrong = np.random.default_rng(0).random(length) >= acceptance
     out = []
-    for label, model in (("hybrid", pair.target), ("twin", pair.twin)):
+    models = (("qwen3-next", pair.target), ("lfm2", pair.replayed), ("twin", pair.twin))
+    for label, model in models:
         drafter = forced(model, prompts, length, wrong)
         out.append(replace(bench.plain(model), name=f"{label} plain", model=label))
         out += [
@@ -216,22 +224,22 @@ def replay_methods(
 
 
 def replay_table(lines: Sequence[dict[str, Any]]) -> str:
-    """The hybrid's speedup over its plain decoding beside the twin's, per workload and ``N``, from
-    lines of :func:`mlx_spec.bench.summarize` of :func:`replay_methods`."""
+    """Each hybrid's speedup over its plain decoding beside the twin's, per workload and ``N``,
+    from lines of :func:`mlx_spec.bench.summarize` of :func:`replay_methods`."""
     out = [
-        "| workload | N | tok/round hybrid | tok/round twin | replayed / token | hybrid x plain "
+        "| workload | hybrid | N | tok/round | tok/round twin | replayed / token | x plain "
         "| twin x plain | hybrid / twin |",
-        "|---" * 8 + "|",
+        "|---" * 9 + "|",
     ]
     rows = {(s["workload"], s["model"], s["n"]): s for s in lines if s["drafter"] == "forced"}
-    for (workload, model, n), h in rows.items():
-        if model != "hybrid":
+    for (workload, model, n), h in sorted(rows.items(), key=lambda item: item[0][1] == "lfm2"):
+        if model == "twin":
             continue
         t = rows[workload, "twin", n]
         out.append(
-            f"| {workload} | {n} | {h['tokens_per_round']:.2f} | {t['tokens_per_round']:.2f} | "
-            f"{h['replayed'] / h['generated']:.2f} | {h['x_plain']:.2f}x | {t['x_plain']:.2f}x | "
-            f"{h['x_plain'] / t['x_plain']:.2f}x |"
+            f"| {workload} | {model} | {n} | {h['tokens_per_round']:.2f} | "
+            f"{t['tokens_per_round']:.2f} | {h['replayed'] / h['generated']:.2f} | "
+            f"{h['x_plain']:.2f}x | {t['x_plain']:.2f}x | {h['x_plain'] / t['x_plain']:.2f}x |"
         )
     return "\n".join(out)
 
@@ -246,6 +254,8 @@ def describe(pair: Pair) -> str:
         return f"{len(model.layers)} x {model.args.hidden_size} ({count:.1f}M, {dtype})"
 
     twin = f", twin {size(pair.twin)}" if pair.twin is not None else ""
+    if pair.replayed is not None:
+        twin += f", LFM2 {size(pair.replayed)}"
     return (
         f"pair {pair.name}: target {size(pair.target)}, draft {size(pair.draft)}{twin}, "
         f"V = {pair.target.args.vocab_size}"
@@ -329,7 +339,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         bench.warm_up(twins, pair.warm, [0.0])
         replay = bench.measure(twins, workloads, [0.0], max_tokens, keep("replay"), _progress)
         print(
-            "\n## The replay's cost: temperature 0, a forced drafter right with probability "
+            "\n## Taking recurrent caches back: temperature 0, a forced drafter right with "
+            "probability "
             f"{args.forced_acceptance}\n"
         )
         print(replay_table(bench.summarize(replay)))

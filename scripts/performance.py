@@ -76,9 +76,9 @@ def _generation(data: dict[str, Any]) -> str:
     parts = [bench.table(bench.summarize(data["rows"]))]
     if data.get("replay"):
         parts.append(
-            "The replay's cost, at temperature 0, with a drafter right with probability "
-            f"{data['settings']['forced_acceptance']} at fixed positions of the text (the "
-            "hybrid and its attention-only twin keep the same drafts):\n\n"
+            "Taking recurrent caches back, at temperature 0, with a drafter right with "
+            f"probability {data['settings']['forced_acceptance']} at fixed positions of the text "
+            "(the hybrids and their attention-only twin keep the same drafts):\n\n"
             + bench.table(bench.summarize(data["replay"]))
         )
     return "\n\n".join(parts)
