@@ -12,13 +12,15 @@ Qwen3.5 / 3.6, and the models that reuse their layers) this module keeps, within
 
 - the convolution's state after ``j`` tokens is ``K - 1`` rows of the convolution's input (the
   old state followed by the new tokens' rows), so the input is recorded;
-- the recurrence runs one position at a time (mlx-lm's own ``gated_delta_update`` on each, as
-  one-token steps of plain decoding do) and each state is recorded.
+- mlx-lm's recurrence without a kernel (CPU, CUDA) already computes one position at a time: each
+  step's state is noted as it is made, at no cost;
+- mlx-lm's Metal kernel returns only the last state: there the recurrence is run one position at
+  a time (the kernel on each, as plain decoding's one-token steps run it) and each state noted.
 
 :func:`track` installs what records them, once per model: each such layer's ``conv1d`` gets a
-subclass of its class that notes its input, and the module that defines the layer calls
-``gated_delta_update`` through a wrapper. Outside :func:`tracking` (other threads, other callers)
-both do exactly what they did before.
+subclass of its class that notes its input, the module that defines the layer calls
+``gated_delta_update`` through a wrapper, and mlx-lm's ``gated_delta`` module its one-position
+step. Outside :func:`tracking` (other threads, other callers) all do exactly what they did.
 """
 
 from __future__ import annotations
@@ -84,9 +86,25 @@ def _noting(conv_class: type) -> type:
     return type(conv_class.__name__, (conv_class,), {"__call__": __call__, "_notes": True})
 
 
+def _noting_step(step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` (mlx-lm's one-position recurrence), noting each state it makes for the layer
+    whose call :func:`_stepwise` runs."""
+
+    def noted(*args: Any, **kwargs: Any) -> tuple[mx.array, mx.array]:
+        y, state = step(*args, **kwargs)
+        positions = getattr(_local, "noting", None)
+        if positions is not None:
+            positions.states.append(state)
+        return y, state
+
+    noted.notes = True
+    noted.unnoted = step
+    return noted
+
+
 def _stepwise(update: Callable[..., Any]) -> Callable[..., Any]:
-    """``update`` (mlx-lm's ``gated_delta_update``), run one position at a time while
-    :func:`tracking` runs, each state noted beside the layer's convolution input."""
+    """``update`` (mlx-lm's ``gated_delta_update``), each position's state noted beside the
+    layer's convolution input while :func:`tracking` runs."""
 
     def gated_delta_update(
         q: mx.array,
@@ -103,6 +121,16 @@ def _stepwise(update: Callable[..., Any]) -> Callable[..., Any]:
         records = _recording()
         if records is None or not records or records[-1].states:
             return update(q, k, v, a, b, A_log, dt_bias, state, mask, **options)
+        positions = records[-1]
+        _local.noting = positions
+        try:
+            out = update(q, k, v, a, b, A_log, dt_bias, state, mask, **options)
+        finally:
+            _local.noting = None
+        if len(positions.states) == q.shape[1]:
+            return out
+        # A kernel made only the last state: that call, lazy, is dropped unevaluated.
+        positions.states.clear()
         ys = []
         for t in range(q.shape[1]):
             position = slice(t, t + 1)
@@ -119,7 +147,7 @@ def _stepwise(update: Callable[..., Any]) -> Callable[..., Any]:
                 **options,
             )
             ys.append(y)
-            records[-1].states.append(state)
+            positions.states.append(state)
         return mx.concatenate(ys, axis=1), state
 
     gated_delta_update.stepwise = True
@@ -137,8 +165,13 @@ def track(model: nn.Module) -> int:
     Returns:
         int: how many of its layers are tracked (``0`` for a model without such layers).
     """
+    from mlx_lm.models import gated_delta
+
     classes = _layer_classes()
     layers = [m for m in model.modules() if isinstance(m, classes)]
+    step = getattr(gated_delta, "_gated_delta_step_ops", None)
+    if layers and step is not None and not getattr(step, "notes", False):
+        gated_delta._gated_delta_step_ops = _noting_step(step)
     for layer in layers:
         module = sys.modules[type(layer).__call__.__module__]
         if not getattr(module.gated_delta_update, "stepwise", False):

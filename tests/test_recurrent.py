@@ -9,6 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx_lm.models import gated_delta
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import tiny_lfm2, tiny_llama, tiny_qwen3_5, tiny_qwen3_next
 
@@ -31,10 +32,26 @@ def _recurrent_entries(cache) -> list[list[mx.array]]:
     return [list(c.cache) for c in cache if type(c).__name__ == "ArraysCache"]
 
 
+def _distance(a: mx.array, b: mx.array) -> float:
+    """The largest difference of ``a`` and ``b``, relative to the largest value of ``b``."""
+    assert a.shape == b.shape
+    a, b = np.array(a), np.array(b)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+# A GPU's matrix products may round a row differently in calls of other lengths.
+CLOSE = 1e-3
+
+
+@pytest.mark.parametrize("noted", ["steps noted", "one position at a time"])
 @pytest.mark.parametrize("name", list(BUILDERS))
-def test_positions_hold_what_a_shorter_call_leaves(name: str) -> None:
+def test_positions_hold_what_a_shorter_call_leaves(name: str, noted: str, monkeypatch) -> None:
     model = BUILDERS[name](0)
     assert recurrent.track(model) == 2
+    if noted == "one position at a time":
+        # As under mlx-lm's Metal kernel, whose call makes only the last state.
+        step = gated_delta._gated_delta_step_ops
+        monkeypatch.setattr(gated_delta, "_gated_delta_step_ops", step.unnoted)
     cache = _prefilled(model)
     with recurrent.tracking() as records:
         model(FED, cache=cache)
@@ -43,16 +60,16 @@ def test_positions_hold_what_a_shorter_call_leaves(name: str) -> None:
     for count in range(1, FED.shape[1] + 1):
         shorter = _prefilled(model)
         model(FED[:, :count], cache=shorter)
-        for positions, (conv, state) in zip(records, _recurrent_entries(shorter), strict=True):
-            kept_conv, kept_state = positions.after(count)
-            assert kept_conv.shape == conv.shape
-            np.testing.assert_array_equal(np.array(kept_conv), np.array(conv))
-            np.testing.assert_allclose(np.array(kept_state), np.array(state), atol=1e-5)
+        for positions, entries in zip(records, _recurrent_entries(shorter), strict=True):
+            for kept, entry in zip(positions.after(count), entries, strict=True):
+                assert _distance(kept, entry) < CLOSE
+            if count > 1:
+                # The neighbouring position's state is far off: the comparison tells them apart.
+                assert _distance(positions.after(count - 1)[1], entries[1]) > 50 * CLOSE
     # The whole call's entries are what the caches hold after it.
-    for positions, (conv, state) in zip(records, _recurrent_entries(cache), strict=True):
-        kept_conv, kept_state = positions.after(FED.shape[1])
-        np.testing.assert_array_equal(np.array(kept_conv), np.array(conv))
-        np.testing.assert_array_equal(np.array(kept_state), np.array(state))
+    for positions, entries in zip(records, _recurrent_entries(cache), strict=True):
+        for kept, entry in zip(positions.after(FED.shape[1]), entries, strict=True):
+            np.testing.assert_array_equal(np.array(kept), np.array(entry))
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))
