@@ -24,15 +24,17 @@ Pairs (``--pair``):
   position of a verification is kept, so a rejection takes the state at the kept length; every
   second layer attention), vocabulary 4096, the same recipe; the draft is its first two layers (a
   qwen3-next needs one of each kind). mlx-lm's loop refuses it (its caches cannot be trimmed), so
-  it is left out. Then the cost of taking recurrent caches back: that hybrid and an LFM2 of the
-  same size (short-convolution layers, restored from a checkpoint and replayed after a
-  rejection) against an attention-only twin (a llama of the same width, depth, heads and MLP,
-  whose caches are trimmed), each with plain decoding and with a drafter that proposes the
+  it is left out. Then the cost of taking recurrent caches back: that hybrid, the same hybrid
+  with its states not kept (``qwen3-next replayed``: restored from a checkpoint and replayed
+  after a rejection, as before they were kept) and an LFM2 of the same size (short-convolution
+  layers, always replayed) against an attention-only twin (a llama of the same width, depth,
+  heads and MLP, whose caches are trimmed), each with plain decoding and with a drafter that
+  proposes the
   model's own greedy tokens made wrong at fixed positions of the text (:class:`ForcedDrafter`,
   ``--forced-acceptance``). At temperature 0 a target keeps exactly the right tokens before the
-  first wrong one, so all three keep drafts at the same positions: the same acceptance whatever
-  their models. The second table sets each hybrid's speedup over its own plain decoding beside
-  the twin's.
+  first wrong one, so all of them keep drafts at the same positions: the same acceptance
+  whatever their models. The second table sets each hybrid's speedup over its own plain decoding
+  beside the twin's.
 
 The random pairs' workloads are random tokens: input-grounded, a segment of 32 shown twice and
 begun a third time; open, 32 tokens.
@@ -50,6 +52,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -57,14 +60,17 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
-from mlx_spec import bench
+from mlx_spec import bench, recurrent
 from mlx_spec._demo import WARM_UP
 from mlx_spec.drafters import Draft, Drafter, DraftSetup, Text
+from mlx_spec.loop import SpeculativeStats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny_models import cut, tiny_lfm2, tiny_llama, tiny_qwen3_next
 
 PAIRS = ("demo", "random", "16x2048", "16x4096", "hybrid")
+# The hybrid pair's comparison of taking recurrent caches back, the twin last.
+REPLAY_MODELS = ("qwen3-next", "qwen3-next replayed", "lfm2", "twin")
 WORKLOADS = ("input-grounded", "open")
 ADAPTIVE_MOST = 8
 
@@ -202,16 +208,17 @@ def replay_methods(
     max_tokens: int,
     acceptance: float,
 ) -> list[bench.Method]:
-    """Plain decoding and the forced drafter at each ``N`` of ``drafts``, on the hybrid target, the
-    replayed hybrid and their twin, with the same wrong positions, for ``prompts``."""
+    """Plain decoding and the forced drafter at each ``N`` of ``drafts``, on the hybrid target (its
+    states kept, and not), the LFM2 and their twin, with the same wrong positions, for
+    ``prompts``."""
     length = max_tokens + max(drafts) + 1
     wrong = np.random.default_rng(0).random(length) >= acceptance
     out = []
-    models = (("qwen3-next", pair.target), ("lfm2", pair.replayed), ("twin", pair.twin))
-    for label, model in models:
+    for label in REPLAY_MODELS:
+        model = {"lfm2": pair.replayed, "twin": pair.twin}.get(label, pair.target)
         drafter = forced(model, prompts, length, wrong)
-        out.append(replace(bench.plain(model), name=f"{label} plain", model=label))
-        out += [
+        methods = [replace(bench.plain(model), name=f"{label} plain", model=label)]
+        methods += [
             replace(
                 bench.mlx_spec(model, n, drafter=drafter),
                 name=f"{label} forced N={n}",
@@ -220,7 +227,18 @@ def replay_methods(
             )
             for n in drafts
         ]
+        out += [_replaying(m) for m in methods] if label == "qwen3-next replayed" else methods
     return out
+
+
+def _replaying(method: bench.Method) -> bench.Method:
+    """``method`` with no recurrent layer's states kept: its caches are restored and replayed."""
+
+    def generate(*args: Any) -> SpeculativeStats:
+        with mock.patch.object(recurrent, "track", lambda model: 0):
+            return method.generate(*args)
+
+    return replace(method, generate=generate)
 
 
 def replay_table(lines: Sequence[dict[str, Any]]) -> str:
@@ -232,7 +250,9 @@ def replay_table(lines: Sequence[dict[str, Any]]) -> str:
         "|---" * 9 + "|",
     ]
     rows = {(s["workload"], s["model"], s["n"]): s for s in lines if s["drafter"] == "forced"}
-    for (workload, model, n), h in sorted(rows.items(), key=lambda item: item[0][1] == "lfm2"):
+    for (workload, model, n), h in sorted(
+        rows.items(), key=lambda item: REPLAY_MODELS.index(item[0][1])
+    ):
         if model == "twin":
             continue
         t = rows[workload, "twin", n]

@@ -58,17 +58,17 @@ def test_generation_quick_on_the_hybrid_pair_compares_the_replay(tmp_path):
     assert not any(r["drafter"] == "mlx-lm" for r in results["rows"])  # it refuses hybrids
     assert_generation_table(proc.stdout, results["rows"])
     lines = markdown_table(proc.stdout, "workload | hybrid")
-    assert [line["hybrid"] for line in lines] == ["qwen3-next", "lfm2"]
+    assert [line["hybrid"] for line in lines] == ["qwen3-next", "qwen3-next replayed", "lfm2"]
     for line in lines:
         assert_ratio(
             line["hybrid / twin"], float(line["x plain"][:-1]), float(line["twin x plain"][:-1])
         )
     forced = [r for r in results["replay"] if r["drafter"] == "forced"]
-    assert {r["model"] for r in forced} == {"qwen3-next", "lfm2", "twin"}
-    # The gated delta-net hybrid keeps its states per position; the short-convolution one
-    # replays what it kept; the twin trims.
+    assert {r["model"] for r in forced} == {"qwen3-next", "qwen3-next replayed", "lfm2", "twin"}
+    # The gated delta-net hybrid keeps its states per position (unless told not to); the
+    # short-convolution one replays what it kept; the twin trims.
     for r in forced:
-        assert (r["replayed"] > 0) == (r["model"] == "lfm2"), r
+        assert (r["replayed"] > 0) == (r["model"] in ("qwen3-next replayed", "lfm2")), r
 
 
 @functools.cache
