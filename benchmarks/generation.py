@@ -41,7 +41,7 @@ begun a third time; open, 32 tokens.
 
 Usage: ``python benchmarks/generation.py [--pair demo|random|16x2048|16x4096|hybrid]
 [--workload input-grounded open] [--temps 0 0.8] [--drafts 1 2 4 8] [--prompts P] [--tokens T]
-[--forced-acceptance A] [--quick] [--json PATH]``.
+[--forced-acceptance A] [--repeats R] [--quick] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -300,6 +300,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=0.75,
         help="hybrid: the chance that the forced drafter's token is right (default: 0.75)",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="hybrid: how many times the comparison runs each prompt, interleaved (default: 1)",
+    )
     parser.add_argument("--quick", action="store_true", help="N = 2, one prompt, 16 tokens")
     parser.add_argument(
         "--json", type=Path, help="the machine, settings and raw rows, written after each row"
@@ -317,6 +323,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "prompts": args.prompts or (1 if args.quick else 4),
         "max_tokens": args.tokens or (16 if args.quick else 128),
         "forced_acceptance": args.forced_acceptance,
+        "repeats": args.repeats,
     }
     drafts, max_tokens = settings["drafts"], settings["max_tokens"]
     pair = build_pair(args.pair, settings["prompts"])
@@ -357,7 +364,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         every = [pair.warm, *(p for ps in workloads.values() for p in ps)]
         twins = replay_methods(pair, every, drafts, max_tokens, args.forced_acceptance)
         bench.warm_up(twins, pair.warm, [0.0])
-        replay = bench.measure(twins, workloads, [0.0], max_tokens, keep("replay"), _progress)
+        # Each prompt again and again: on a shared GPU single runs spread more than the effect.
+        repeated = {k: list(ps) * args.repeats for k, ps in workloads.items()}
+        replay = bench.measure(twins, repeated, [0.0], max_tokens, keep("replay"), _progress)
         print(
             "\n## Taking recurrent caches back: temperature 0, a forced drafter right with "
             "probability "

@@ -12,7 +12,9 @@
 # - generation: benchmarks/generation.py on the GPU pairs, one process each (first use and steady
 #   state of every method, interleaved): demo (both workloads), 16x2048 (open generation,
 #   temperature 0 and 1), 16x4096 and hybrid (open generation, temperature 0 and 0.8; hybrid
-#   also the replay against its attention-only twin). Its JSON is written after each row, so a pair
+#   also how taking recurrent caches back compares with an attention-only twin, each prompt run
+#   4 times, as single runs on a shared GPU spread more than the effect). Its JSON is written
+#   after each row, so a pair
 #   cut by its time limit keeps what it measured. MLX's own attention kernel, as `mlx-spec
 #   generate` chooses, unless MLX_CUDA_USE_CUDNN_SDPA is set;
 # - distributed (with 2 GPUs or more): benchmarks/distributed.py on the 16x2048 pair, the target
@@ -91,7 +93,7 @@ if [ "$generation" = 1 ]; then
     [demo]=""
     [16x2048]="--workload open --temps 0 1"
     [16x4096]="--workload open"
-    [hybrid]="--workload open"
+    [hybrid]="--workload open --repeats 4"
   )
   : > "$out/generation.txt"
   for pair in "${pairs[@]}"; do

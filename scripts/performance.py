@@ -72,13 +72,19 @@ def _settings(data: dict[str, Any]) -> str:
     return f"{pair}; {s['prompts']} prompt(s) per workload x {tokens} tokens"
 
 
+def _repeats(count: int) -> str:
+    return f", each prompt run {count} times, interleaved" if count > 1 else ""
+
+
 def _generation(data: dict[str, Any]) -> str:
     parts = [bench.table(bench.summarize(data["rows"]))]
     if data.get("replay"):
         parts.append(
             "Taking recurrent caches back, at temperature 0, with a drafter right with "
             f"probability {data['settings']['forced_acceptance']} at fixed positions of the text "
-            "(the hybrids and their attention-only twin keep the same drafts):\n\n"
+            "(the hybrids and their attention-only twin keep the same drafts)"
+            + _repeats(data["settings"].get("repeats", 1))
+            + ":\n\n"
             + bench.table(bench.summarize(data["replay"]))
         )
     return "\n\n".join(parts)
