@@ -27,6 +27,7 @@ OUT = ROOT / "docs" / "performance.md"
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 from distributed import speedups  # noqa: E402
+from generation import replay_table  # noqa: E402
 
 from mlx_spec import bench  # noqa: E402
 
@@ -86,6 +87,8 @@ def _generation(data: dict[str, Any]) -> str:
             + _repeats(data["settings"].get("repeats", 1))
             + ":\n\n"
             + bench.table(bench.summarize(data["replay"]))
+            + "\n\nEach hybrid's speedup over its own plain decoding beside the twin's:\n\n"
+            + replay_table(bench.summarize(data["replay"]))
         )
     return "\n\n".join(parts)
 
