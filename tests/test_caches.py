@@ -31,6 +31,7 @@ import pytest
 from first_tokens import THRESHOLD, chi_square_p, exact_joint, sampled_pairs
 from mlx_lm import load
 from mlx_lm.generate import generate_step
+from mlx_lm.generate import speculative_generate_step as mlx_lm_speculative_generate_step
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from tiny_models import cut, tiny_gemma3, tiny_lfm2, tiny_llama, tiny_qwen3_5, tiny_qwen3_next
 
@@ -199,6 +200,35 @@ def test_adaptive_lengths_with_a_hybrid_draft_equal_plain_decoding() -> None:
     tokens, stats, _ = speculate("qwen3_next", "model", 8, adaptive=True)
     assert tokens == reference
     assert 0 < stats.accepted < stats.drafted
+
+
+def test_the_issue_reproducer_gives_plain_greedy_tokens() -> None:
+    # As a new user tried it: the demo pair with 12-token rotating caches (no kept tokens), N = 3.
+    # Both loops once left plain greedy decoding at token 22, when the windows had wrapped.
+    model, draft = demo_pair()
+    plain_cache = [RotatingKVCache(max_size=12) for _ in model.layers]
+    steps = generate_step(mx.array(PROMPT), model, max_tokens=120, prompt_cache=plain_cache)
+    reference = [t for t, _ in steps]
+    prompt_cache = [RotatingKVCache(max_size=12) for _ in range(6)] + [RotatingKVCache(max_size=12)]
+    stats = SpeculativeStats()
+    spec = speculative_generate_step(
+        mx.array(PROMPT),
+        model,
+        draft,
+        num_draft_tokens=3,
+        max_tokens=120,
+        prompt_cache=prompt_cache,
+        stats=stats,
+    )
+    assert [t for t, _, _ in spec] == reference
+    assert 0 < stats.accepted < stats.drafted
+    # mlx-lm's own loop, given the same caches, leaves plain decoding's text: the case meets
+    # the defect.
+    fresh = [RotatingKVCache(max_size=12) for _ in range(7)]
+    theirs = mlx_lm_speculative_generate_step(
+        mx.array(PROMPT), model, draft, num_draft_tokens=3, max_tokens=120, prompt_cache=fresh
+    )
+    assert [t for t, _, _ in theirs] != reference
 
 
 def test_gemma3_window_wraps_many_times() -> None:
