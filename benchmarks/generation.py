@@ -29,12 +29,11 @@ Pairs (``--pair``):
   after a rejection, as before they were kept) and an LFM2 of the same size (short-convolution
   layers, always replayed) against an attention-only twin (a llama of the same width, depth,
   heads and MLP, whose caches are trimmed), each with plain decoding and with a drafter that
-  proposes the
-  model's own greedy tokens made wrong at fixed positions of the text (:class:`ForcedDrafter`,
-  ``--forced-acceptance``). At temperature 0 a target keeps exactly the right tokens before the
-  first wrong one, so all of them keep drafts at the same positions: the same acceptance
-  whatever their models. The second table sets each hybrid's speedup over its own plain decoding
-  beside the twin's.
+  proposes the model's own greedy tokens made wrong at fixed positions of the text
+  (:class:`ForcedDrafter`, ``--forced-acceptance``). At temperature 0 a target keeps exactly the
+  right tokens before the first wrong one, so all of them keep drafts at the same positions: the
+  same acceptance whatever their models. The second table sets each hybrid's speedup over its own
+  plain decoding beside the twin's.
 
 The random pairs' workloads are random tokens: input-grounded, a segment of 32 shown twice and
 begun a third time; open, 32 tokens.

@@ -265,17 +265,17 @@ def _snapshots_needed(layers: list[Any]) -> bool:
     )
 
 
-def _tracks(layers: list[Any], tracked: int) -> bool:
-    """Whether ``tracked`` layers of a model (:func:`mlx_spec.recurrent.track`) are all its
-    recurrent ones: ``ArraysCache`` entries of ``layers`` holding a convolution's and a
-    recurrence's state, none inside a ``CacheList``."""
+def _tracks(layers: list[Any], tracked: int) -> int:
+    """How many recurrent layers of ``layers`` keep their states: ``tracked`` (the count of
+    :func:`mlx_spec.recurrent.track`) when those are all of them (``ArraysCache`` entries holding
+    a convolution's and a recurrence's state, none inside a ``CacheList``), else ``0``."""
     recurrent_layers = [layer for layer in layers if _kind(layer) == "recurrent"]
-    return (
-        tracked > 0
-        and len(recurrent_layers) == tracked
+    every = (
+        len(recurrent_layers) == tracked
         and all(isinstance(c, ArraysCache) and len(c.cache) == 2 for c in recurrent_layers)
         and not any(_kind(layer) == "list" and _replays(list(layer.caches)) for layer in layers)
     )
+    return tracked if every else 0
 
 
 @dataclass
@@ -309,7 +309,9 @@ class ModelCache:
         self.layers = layers
         self.length = length
         replays = _replays(layers)
-        self._tracked = replays and model is not None and _tracks(layers, recurrent.track(model))
+        # The recurrent layers that keep their states (all of them, or none).
+        tracks = replays and model is not None
+        self._tracked = _tracks(layers, recurrent.track(model)) if tracks else 0
         self.replays = replays and not self._tracked
         self._snapshots = _snapshots_needed(layers)
         self._checkpoints: list[_Checkpoint] = []
@@ -337,12 +339,7 @@ class ModelCache:
         with recurrent.tracking() as records:
             yield
         fed = self.length - point.length
-        recurrent_layers = sum(_kind(layer) == "recurrent" for layer in self.layers)
-        if (
-            fed > 0
-            and len(records) == recurrent_layers
-            and all(len(r.states) == fed for r in records)
-        ):
+        if fed > 0 and len(records) == self._tracked and all(len(r.states) == fed for r in records):
             point.positions = records
 
     def forget(self, length: int | None = None) -> None:

@@ -210,9 +210,8 @@ def speculative_generate_step(
     trimmed exactly, the gated delta-net layers of Qwen3-Next and Qwen3.5 models take the state
     kept after the last kept position (:mod:`mlx_spec.recurrent`), and other recurrent ones
     (``ArraysCache``, in hybrid models) are restored from a checkpoint, the kept tokens then
-    being fed again within the next round's target call. When
-    the generator finishes, is closed or raises, the caches hold exactly the prompt and the
-    tokens yielded (the last one included).
+    being fed again within the next round's target call. When the generator finishes, is closed
+    or raises, the caches hold exactly the prompt and the tokens yielded (the last one included).
 
     Args:
         prompt (array): ``[L]`` integer prompt tokens, ``L >= 1``, each inside the target's
