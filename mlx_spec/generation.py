@@ -35,6 +35,7 @@ from ._checks import (
     check_prompt_cache,
     is_int,
 )
+from .attention import chunks_pay
 from .caches import ModelCache, check_caches
 from .distributed import agree_key, model_group
 from .draft_length import MAX_DRAFT_TOKENS, DraftLength, cost_key, recall
@@ -326,6 +327,7 @@ def speculative_generate_step(
         quantized_kv_start=quantized_kv_start,
     )
     text = Text(prompt.astype(mx.uint32), ids)
+    device = stream if isinstance(stream, mx.Device) else stream.device
     target = Target(
         model,
         ModelCache(target_cache, model=model),
@@ -333,13 +335,13 @@ def speculative_generate_step(
         quantize,
         quantized_kv_start if kv_bits is not None else None,
         vocab,
+        chunked=chunks_pay(device),
     )
     setup = DraftSetup(rule, processors, quantize, prefill_step_size, seed)
     # Adaptive lengths start from the costs the last generation of the same models measured
     # (not on a group, whose ranks must choose alike from what they measured together).
     costs = None
     if adaptive and group is None:
-        device = stream if isinstance(stream, mx.Device) else stream.device
         drafting = chosen.model if isinstance(chosen, ModelDrafter) else type(chosen)
         costs = cost_key(model, drafting, device)
     generation = Generation(

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Generator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from mlx_lm.models.cache import KVCache
 from . import kernels
 from ._checks import FLOAT_DTYPES, ID_DTYPES, describe
 from .acceptance import check_next
+from .attention import chunking
 from .caches import ModelCache, decode_masks
 from .draft_length import MAX_DRAFT_TOKENS, CostKey, DraftLength, keep
 from .drafters import Draft, Drafter, DraftSetup, Text
@@ -93,7 +95,8 @@ def vocab_size(model: nn.Module) -> int | None:
 
 
 class Target:
-    """The target model: its caches, its logits processors and the ids it can embed."""
+    """The target model: its caches, its logits processors, the ids it can embed, and whether a
+    verification runs its attention in chunks (:mod:`mlx_spec.attention`: on MLX's CUDA backend)."""
 
     def __init__(
         self,
@@ -103,6 +106,7 @@ class Target:
         quantize: Callable[[list[Any]], None],
         quantized_kv_start: int | None,
         vocab: int | None,
+        chunked: bool = False,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -110,6 +114,7 @@ class Target:
         self.quantize = quantize
         self.quantized_kv_start = quantized_kv_start
         self.vocab = vocab
+        self.chunked = chunked
 
     def feed(self, tokens: mx.array) -> mx.array:
         """Runs the model on ``[k]`` tokens; returns its ``[k, V]`` logits (lazy)."""
@@ -158,7 +163,8 @@ class Target:
         # A draft id the target cannot embed is never accepted; feed a valid id in its place.
         # As uint32, a negative int32 id of a drafter of one's own is one of those too.
         fed = draft if self.vocab is None else mx.minimum(draft.astype(mx.uint32), self.vocab - 1)
-        with decode_masks(self.cache.layers), self.cache.tracking():
+        attention = chunking() if self.chunked else nullcontext()
+        with decode_masks(self.cache.layers), self.cache.tracking(), attention:
             logits = self.feed(mx.concatenate([text.tokens(self.cache.length), fed]))[-(n + 1) :]
         if not self.processors:
             return logits

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from .._checks import KV_BITS
+from ..attention import CUDNN_ATTENTION
 from ..draft_length import MAX_DRAFT_TOKENS
 
 
@@ -67,10 +68,6 @@ def run(
     except BrokenPipeError:
         _drop_output()
         return CLOSED_PIPE
-
-
-#: MLX's switch for cuDNN's attention on its CUDA backend.
-CUDNN_ATTENTION = "MLX_CUDA_USE_CUDNN_SDPA"
 
 
 def prefer_mlx_attention() -> None:
