@@ -94,21 +94,26 @@ def attention_in_chunks(
     return mx.concatenate(outputs, axis=2)
 
 
+def _chunks(queries: mx.array, keys: mx.array, mask: Any) -> bool:
+    """Whether an attention of ``queries`` over ``keys`` under ``mask`` runs in chunks: more
+    queries than one vector call takes, a head size it takes, and a causal or no mask."""
+    return (
+        queries.ndim == 4
+        and queries.shape[2] > QUERIES_PER_CALL
+        and queries.shape[-1] in HEAD_SIZES
+        and (mask is None or (isinstance(mask, str) and mask == "causal"))
+        and keys.shape[2] >= queries.shape[2]
+    )
+
+
 def _chunked(attend: Callable[..., mx.array]) -> Callable[..., mx.array]:
     """``attend`` (MLX's attention), run in chunks within :func:`chunking` where that helps."""
 
     def scaled_dot_product_attention(
         queries: mx.array, keys: mx.array, values: mx.array, **kwargs: Any
     ) -> mx.array:
-        mask = kwargs.get("mask")
-        if (
-            getattr(_local, "active", False)
-            and queries.ndim == 4
-            and queries.shape[2] > QUERIES_PER_CALL
-            and queries.shape[-1] in HEAD_SIZES
-            and (mask is None or (isinstance(mask, str) and mask == "causal"))
-            and keys.shape[2] >= queries.shape[2]
-        ):
+        # Every attention call of every model passes here: the thread's switch is read first.
+        if getattr(_local, "active", False) and _chunks(queries, keys, kwargs.get("mask")):
             return attention_in_chunks(queries, keys, values, attend=attend, **kwargs)
         return attend(queries, keys, values, **kwargs)
 
