@@ -1,6 +1,6 @@
-"""``benchmarks/generation.py``, ``proposal_cost.py`` and ``plain_steps.py`` print what they
-measured: the tables agree with the raw rows and their ratios divide the printed numbers as the
-columns say.
+"""``benchmarks/generation.py``, ``proposal_cost.py``, ``plain_steps.py`` and
+``chunked_attention.py`` print what they measured: the tables agree with the raw rows and their
+ratios divide the printed numbers as the columns say.
 The forced drafter of the replay comparison gives two targets the same acceptance. No timing is
 asserted."""
 
@@ -71,6 +71,26 @@ def test_generation_quick_on_the_hybrid_pair_compares_the_replay(tmp_path):
     for r in forced:
         assert (r["replayed"] > 0) == (r["model"] in ("qwen3-next replayed", "lfm2")), r
         assert r["generated"] == 2 * 16  # the one prompt twice
+
+
+def test_chunked_attention_compares_both_ways_on_the_demo_pair():
+    args = ("--pair", "demo", "--temps", "0", "--tokens", "8", "--repeats", "1")
+    proc = script("chunked_attention", *args)
+    assert proc.returncode == 0, proc.stderr
+    passes = markdown_table(proc.stdout, "forward over q tokens")
+    assert [row["forward over q tokens"] for row in passes] == ["whole (ms)", "chunked (ms)"]
+    assert all(float(row[f"q={q}"]) > 0 for row in passes for q in (1, 3, 4, 5, 9))
+    lines = markdown_table(proc.stdout, "temp")
+    assert [line["method"] for line in lines] == ["lookup N=8", "lookup adaptive", "draft N=4"]
+    for line in lines:
+        plain, whole, chunked = (
+            float(line[f"{m} ms/token"]) for m in ("plain", "whole", "chunked")
+        )
+        assert_ratio(line["whole x plain"], plain, whole)
+        assert_ratio(line["chunked x plain"], plain, chunked)
+        assert_ratio(line["whole / chunked"], whole, chunked)
+        # On this CPU both ways round alike on the demo pair: the same greedy tokens.
+        assert line["same tokens"] == "yes"
 
 
 @functools.cache
