@@ -27,8 +27,10 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "0")
 
@@ -44,21 +46,9 @@ from generation import build_pair
 
 from mlx_spec import generation
 from mlx_spec.attention import chunking
-from mlx_spec.loop import Target
 from mlx_spec.sampling import make_sampler
 
 QUERIES = (1, 3, 4, 5, 9)
-
-
-def _forced(chunked: bool) -> type[Target]:
-    """The loop's target with verifications chunked or whole, whatever the backend."""
-
-    class Forced(Target):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs["chunked"] = chunked
-            super().__init__(*args, **kwargs)
-
-    return Forced
 
 
 def forward_ms(target: nn.Module, prompt: mx.array, queries: int, chunked: bool) -> float:
@@ -70,10 +60,7 @@ def forward_ms(target: nn.Module, prompt: mx.array, queries: int, chunked: bool)
     for i in range(16):
         tokens = mx.array([[(7 * i + j) % 1000 + 1 for j in range(queries)]])
         start = time.perf_counter()
-        if chunked:
-            with chunking():
-                mx.eval(target(tokens, cache=cache))
-        else:
+        with chunking() if chunked else nullcontext():
             mx.eval(target(tokens, cache=cache))
         times.append(time.perf_counter() - start)
         for layer in cache:
@@ -118,9 +105,8 @@ def generation_rows(
 
     def speculative(prompt: mx.array, i: int, label: str, chunked: bool, **kwargs: Any):
         def go() -> None:
-            original = generation.Target
-            generation.Target = _forced(chunked)
-            try:
+            # Chunked or whole whatever the backend chooses.
+            with mock.patch.object(generation, "chunks_pay", lambda device: chunked):
                 steps = generation.speculative_generate_step(
                     prompt,
                     pair.target,
@@ -130,8 +116,6 @@ def generation_rows(
                     **kwargs,
                 )
                 outputs[label, chunked, i] = [token for token, *_ in steps]
-            finally:
-                generation.Target = original
 
         return go
 

@@ -53,10 +53,10 @@ How to read them:
 - `lookup` is prompt lookup (`drafter="prompt-lookup"`), `draft` the pair's draft model; `adaptive`
   chooses each round's `N`, up to 8 ([design.md](design.md#the-draft-length)).
 - On this project's 2-core CPU, MLX links the reference BLAS: scoring `N + 1` positions costs
-  nearly `N + 1` single steps, so speculation can gain little there. On the H200 with MLX's CUDA
-  backend a verification of 4 to 9 positions of these models costs about two one-token passes (the
-  chunked-attention table), and the loop's host work per round adds to it: that is what the tokens
-  a round keeps must beat.
+  nearly `N + 1` single steps, so speculation can gain little there. On a GPU a verification costs
+  far less than `N + 1` steps but more than one (the chunked-attention table shows the target's
+  pass over each number of tokens), and the loop's host work per round adds to it: that is what
+  the tokens a round keeps must beat.
 """
 
 

@@ -14,7 +14,6 @@ from tiny_models import cut, tiny_llama
 
 from mlx_spec import attention, generation
 from mlx_spec.attention import QUERIES_PER_CALL, attention_in_chunks, chunking
-from mlx_spec.loop import Target
 
 ATTEND = mx.fast.scaled_dot_product_attention
 
@@ -123,13 +122,6 @@ def test_chunking_installs_one_wrapper():
         assert mx.fast.scaled_dot_product_attention is installed
 
 
-class ChunkedTarget(Target):
-    """The loop's target with chunked verifications, as on MLX's CUDA backend."""
-
-    def __init__(self, *args, chunked: bool = False, **kwargs) -> None:
-        super().__init__(*args, chunked=True, **kwargs)
-
-
 @pytest.mark.parametrize("drafting", ["prompt-lookup", "draft model"])
 def test_chunked_verifications_give_plain_greedy_tokens(drafting, monkeypatch):
     """Through the loop, verifications of up to 9 positions with chunked attention (head size
@@ -142,7 +134,8 @@ def test_chunked_verifications_give_plain_greedy_tokens(drafting, monkeypatch):
         chunks.append(args[0].shape[2])
         return attention_in_chunks(*args, **kwargs)
 
-    monkeypatch.setattr(generation, "Target", ChunkedTarget)
+    # Chunked verifications, as on MLX's CUDA backend with cuDNN attention off.
+    monkeypatch.setattr(generation, "chunks_pay", lambda device: True)
     monkeypatch.setattr(attention, "attention_in_chunks", counted)
     if drafting == "prompt-lookup":
         tokens, _, stats = run(
