@@ -24,18 +24,25 @@ drafts, plus the drafter's own work. The adaptive choice keeps estimates of both
   well-kept drafts pay.
 
 Exploration keeps both estimates alive: every few rounds the choice drafts one token more or fewer
-than its best, so consecutive rounds differ; when drafting does not pay, it drafts the most and
-one token in turn (a pair far apart, which measures the slope again); and the loop still asks a
-free drafter (prompt lookup) for a proposal and checks it against the token the target emits,
-which measures its acceptance without verifying it; the stretch of plain steps ends as soon as a
-proposal of a kind that pays comes. The first rounds draft the most and one token in turn, until
-the slope is measured.
+than its best, so consecutive rounds differ. When drafting does not pay, a round still comes once
+``_EXPLORE_PLAIN`` plain steps ran since the last one, drafting the most and one token in turn (a
+pair far apart, which measures the slope again); it also measures a draft model's acceptance,
+which only verifying its drafts measures, so that drafts worth verifying again (another stretch of
+text, or estimates misled by a slow moment of the machine) are noticed. Meanwhile the loop still
+asks a free drafter (prompt lookup) for a proposal and checks it against the token the target
+emits, which measures its acceptance without verifying it; the stretch of plain steps ends as soon
+as a proposal of a kind that pays comes. The first rounds draft the most and one token in turn,
+until the slope is measured.
 
 What rounds and plain steps cost is a property of the target, the drafter and the device, not of
-the text: the costs one generation measured are kept for the next generation with the same target
-and drafter on the same device (:func:`cost_key`, :func:`recall`, :func:`keep`), which then
-chooses from its first round instead of first drafting the most and one token to measure them.
-The acceptance, which depends on the text, starts anew. :func:`forget_costs` drops what was kept.
+the text: what one generation measured is kept for the next generation with the same target and
+drafter on the same device (:func:`cost_key`, :func:`recall`, :func:`keep`), which then chooses
+from its first round instead of first drafting the most and one token to measure the costs. The
+acceptance depends on the text as well as on the drafter, so the next generation starts from the
+last one's estimates weighed as at most ``_KEPT_TESTED`` tested tokens: a few rounds of the new
+text outweigh them, while one rejected first round does not make a drafter that is usually kept
+look worse than plain steps (whose estimate would then not be measured again for a long while).
+:func:`forget_costs` drops what was kept.
 
 A target whose caches are restored after a rejection (recurrent layers) feeds again, in the next
 call, everything since its last fully kept round; the choice counts that future cost too, and a
@@ -57,7 +64,7 @@ import numpy as np
 __all__ = [
     "MAX_DRAFT_TOKENS",
     "DraftLength",
-    "MeasuredCosts",
+    "Measured",
     "cost_key",
     "forget_costs",
     "keep",
@@ -82,27 +89,39 @@ _REMEASURE = 64
 # Every this many rounds the choice tries one token more or fewer than its best (alternately),
 # so consecutive rounds with different lengths keep measuring the slope.
 _EXPLORE_EVERY = 6
+# While drafting does not pay, a round comes once this many plain steps ran since the last one:
+# the stretches of plain steps double from 8 up to 64 steps, so this comes after the fifth, and a
+# round drafting in vain then costs little next to the plain steps between two of them.
+_EXPLORE_PLAIN = 128
+# The acceptance a generation starts from, kept from the last one, weighs at most this many
+# tested draft tokens (the estimates of a generation weigh up to about 30 rounds' worth).
+_KEPT_TESTED = 10.0
 
 
 @dataclass
-class MeasuredCosts:
-    """What the rounds and plain steps of one target and drafter on one device cost, kept from one
-    generation to the next (see the module's description).
+class Measured:
+    """What the rounds and plain steps of one target and drafter on one device cost, and how often
+    its drafts were kept, kept from one generation to the next (see the module's description).
 
     Attributes:
         rounds (list): ``(waiting tokens, draft tokens, seconds)`` of the latest rounds, oldest
             first.
         plain (list): seconds a token of the latest stretches of plain steps.
+        first (dict): for each proposal label, ``(kept, tested)`` of its first draft tokens,
+            older ones weighing less (see :meth:`DraftLength.acceptance`).
+        later (tuple): ``(kept, tested)`` of the later draft tokens, likewise.
     """
 
     rounds: list[tuple[int, int, float]] = field(default_factory=list)
     plain: list[float] = field(default_factory=list)
+    first: dict[int, tuple[float, float]] = field(default_factory=dict)
+    later: tuple[float, float] = (_PRIOR_KEPT, _PRIOR_TESTED)
 
 
 CostKey = tuple[int, Hashable, str]
 
 # What the last generation of each target, drafter and device measured (see cost_key).
-_KEPT: dict[CostKey, MeasuredCosts] = {}
+_KEPT: dict[CostKey, Measured] = {}
 # The keys whose removal is registered with their models.
 _WATCHED: set[CostKey] = set()
 _KEPT_LOCK = threading.Lock()
@@ -133,18 +152,20 @@ def cost_key(target: Any, drafter: Any, device: Any) -> CostKey:
     return key
 
 
-def recall(key: CostKey) -> MeasuredCosts | None:
-    """The costs kept under ``key`` (a copy), or ``None``."""
+def recall(key: CostKey) -> Measured | None:
+    """What was kept under ``key`` (a copy), or ``None``."""
     with _KEPT_LOCK:
         kept = _KEPT.get(key)
-        return None if kept is None else MeasuredCosts(list(kept.rounds), list(kept.plain))
+        if kept is None:
+            return None
+        return Measured(list(kept.rounds), list(kept.plain), dict(kept.first), kept.later)
 
 
-def keep(key: CostKey, costs: MeasuredCosts) -> None:
-    """Keeps ``costs`` under ``key`` for the next generation (the last one kept wins)."""
+def keep(key: CostKey, measured: Measured) -> None:
+    """Keeps ``measured`` under ``key`` for the next generation (the last one kept wins)."""
     with _KEPT_LOCK:
         if key in _WATCHED:
-            _KEPT[key] = costs
+            _KEPT[key] = measured
 
 
 def _drop(key: CostKey) -> None:
@@ -154,7 +175,8 @@ def _drop(key: CostKey) -> None:
 
 
 def forget_costs() -> None:
-    """Drops every kept cost: the next generation of each target and drafter measures anew."""
+    """Drops everything kept (costs and acceptance): the next generation of each target and
+    drafter measures anew."""
     with _KEPT_LOCK:
         _KEPT.clear()
 
@@ -172,8 +194,8 @@ class DraftLength:
         stretches (bool): whether drafting nothing runs a stretch of pipelined plain steps (see
             :mod:`mlx_spec.loop`), whose cost per token is then measured and is what drafting
             must beat; else drafting nothing is a round of one step.
-        costs (MeasuredCosts, optional): what an earlier generation with the same target,
-            drafter and device measured (see :func:`recall`), to start from. Default: none.
+        kept (Measured, optional): what an earlier generation with the same target, drafter
+            and device measured (see :func:`recall`), to start from. Default: none.
     """
 
     def __init__(
@@ -182,7 +204,7 @@ class DraftLength:
         adaptive: bool,
         free: bool = False,
         stretches: bool = False,
-        costs: MeasuredCosts | None = None,
+        kept: Measured | None = None,
     ) -> None:
         self.most = most
         self.adaptive = adaptive
@@ -196,11 +218,16 @@ class DraftLength:
         self._base = self._slope = None
         # Seconds a token of the recent stretches of plain steps (see mlx_spec.loop).
         self._plain: deque[float] = deque(maxlen=_PLAIN_WINDOW)
-        if costs is not None:
-            self._rounds.extend(costs.rounds)
-            self._plain.extend(costs.plain)
+        # Plain steps run since the last round with drafts, and the rounds explored while
+        # drafting did not pay.
+        self._plain_since = self._explored = 0
+        if kept is not None:
+            self._rounds.extend(kept.rounds)
+            self._plain.extend(kept.plain)
             if self._rounds:
                 self._fit()
+            self._first = {label: _weighed(*counts) for label, counts in kept.first.items()}
+            self._later = _weighed(*kept.later)
         self._count = 0
         # The choice at which plain steps were last measured, and whether the last round kept
         # all its drafts (a copy going on, which a measurement would interrupt).
@@ -261,13 +288,16 @@ class DraftLength:
             self._measured_at = self._count
             return 0
         best = self._best(pending, top, replays, label)
+        if best == 0:
+            if self._plain_since < _EXPLORE_PLAIN:
+                return 0
+            # Drafting does not pay: rounds of the most and of one token, alternately, are
+            # consecutive among the rounds (plain steps are not rounds), so each new pair
+            # measures the slope again, far apart.
+            self._explored += 1
+            return top if self._explored % 2 else 1
         if self._count % _EXPLORE_EVERY == 0:
             odd = (self._count // _EXPLORE_EVERY) % 2
-            if best == 0:
-                # Drafting does not pay: rounds of the most and of one token, alternately, are
-                # consecutive among the rounds (plain steps are not rounds), so each new pair
-                # measures the slope again, far apart.
-                return top if odd else 1
             step = 1 if odd else -1
             if best == top:
                 step = -1
@@ -320,6 +350,8 @@ class DraftLength:
             label (int): the proposal's label.
         """
         self._kept_all = drafted > 0 and accepted == drafted
+        # A round without drafts is a plain step (where there are no stretches).
+        self._plain_since = self._plain_since + 1 if drafted == 0 else 0
         if drafted:
             self.shadow(accepted, drafted, label)
         if self.adaptive:
@@ -330,10 +362,15 @@ class DraftLength:
         """The seconds a token took in a stretch of plain steps (which drafting must beat)."""
         self._plain.append(seconds)
 
-    def measured(self) -> MeasuredCosts:
-        """MeasuredCosts: what the rounds and plain steps cost so far (a copy), to keep for the
-        next generation (see :func:`keep`)."""
-        return MeasuredCosts(list(self._rounds), list(self._plain))
+    def ran_plain(self, steps: int) -> None:
+        """Counts ``steps`` plain steps run (a stretch, measured or cut short)."""
+        self._plain_since += steps
+
+    def measured(self) -> Measured:
+        """Measured: what the rounds and plain steps cost so far and the acceptance estimates
+        (a copy), to keep for the next generation (see :func:`keep`)."""
+        first = {label: (kept, tested) for label, (kept, tested) in self._first.items()}
+        return Measured(list(self._rounds), list(self._plain), first, tuple(self._later))
 
     def _fit(self) -> None:
         rounds = np.array(self._rounds, dtype=np.float64)
@@ -359,6 +396,12 @@ class DraftLength:
         if accepted and tested > 1:
             later = accepted - 1
             _add(self._later, later, later + (accepted < tested))
+
+
+def _weighed(kept: float, tested: float) -> list[float]:
+    """``[kept, tested]`` scaled to weigh at most ``_KEPT_TESTED`` tested tokens."""
+    scale = min(1.0, _KEPT_TESTED / tested) if tested > 0 else 1.0
+    return [kept * scale, tested * scale]
 
 
 def _add(estimate: list[float], kept: int, tested: int) -> None:

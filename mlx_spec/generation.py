@@ -338,8 +338,8 @@ def speculative_generate_step(
         chunked=chunks_pay(device),
     )
     setup = DraftSetup(rule, processors, quantize, prefill_step_size, seed)
-    # Adaptive lengths start from the costs the last generation of the same models measured
-    # (not on a group, whose ranks must choose alike from what they measured together).
+    # Adaptive lengths start from what the last generation of the same models measured (not on
+    # a group, whose ranks must choose alike from what they measured together).
     costs = None
     if adaptive and group is None:
         drafting = chosen.model if isinstance(chosen, ModelDrafter) else type(chosen)
@@ -354,7 +354,7 @@ def speculative_generate_step(
             adaptive,
             chosen.free,
             stretches=group is None,
-            costs=None if costs is None else recall(costs),
+            kept=None if costs is None else recall(costs),
         ),
         eos,
         key,

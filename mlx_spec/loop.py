@@ -223,7 +223,7 @@ class Generation:
         # On a group, adaptive lengths are chosen from rank 0's times, which every rank reads a
         # round late: each rank then makes the same target calls.
         self.group = group if lengths.adaptive else None
-        #: Where the draft lengths' measured costs are kept for the next generation (see
+        #: Where what the draft lengths measured is kept for the next generation (see
         #: :func:`mlx_spec.draft_length.cost_key`); ``None`` to keep nothing.
         self.costs = costs
         # The last round's counts and label, recorded with its time a round later.
@@ -392,6 +392,7 @@ class Generation:
                 break
             step = ahead
         cut = last < count
+        self.lengths.ran_plain(made)
         if not cut:
             # A stretch cut short is mostly its first steps, unpipelined: not what plain steps
             # cost once they run.

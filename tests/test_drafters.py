@@ -501,6 +501,35 @@ def feed(lengths: DraftLength, rounds: int, acceptance: float, cost, pending: in
     return chosen
 
 
+def _loop_like(lengths: DraftLength, choices: int, acceptance: float, cost, plain: float):
+    """The choices of a draft model's generation made as the loop makes them: a choice of 0 runs
+    a stretch of plain steps (8, then twice as many up to 64, until a round) at ``plain`` seconds
+    a token; a round of the ``i``-th choice drafting ``n`` tokens keeps each while a fixed stream
+    of uniforms stays under ``acceptance`` and takes ``cost(i, n)`` seconds."""
+    uniforms = iter(np.random.default_rng(1).random(choices * 200))
+    chosen, stretch = [], 8
+    for i in range(choices):
+        n = lengths.choose(1, 64)
+        chosen.append(n)
+        if n == 0:
+            lengths.ran_plain(stretch)
+            lengths.record_plain(plain)
+            stretch = min(2 * stretch, 64)
+            continue
+        stretch = 8
+        accepted = 0
+        while accepted < n and next(uniforms) < acceptance:
+            accepted += 1
+        lengths.record(n, accepted, 1 + n, n, cost(i, n))
+    return chosen
+
+
+def _gpu_like_generation(lengths: DraftLength, choices: int, acceptance: float) -> list[int]:
+    """:func:`_loop_like` where a round costs 3.7 plain steps and 0.12 a draft token (a GPU on
+    which a round costs several steps)."""
+    return _loop_like(lengths, choices, acceptance, lambda i, n: 3.7 + 0.12 * n, 1.0)
+
+
 @pytest.mark.parametrize("replays", [False, True])
 def test_the_choice_maximises_the_expected_tokens_per_second(replays) -> None:
     # Against the rule as the module states it, written out term by term: E(N) = 1 + s(1) + ...
@@ -543,10 +572,11 @@ def test_adaptive_length_drafts_long_when_verification_is_flat() -> None:
 
 def test_adaptive_length_stops_drafting_when_drafts_are_not_kept() -> None:
     # A CPU-like cost (each scored position costs a third of a step) and drafts never kept.
-    chosen = feed(DraftLength(8, adaptive=True), 120, 0.0, lambda fed, steps: 1.0 + 0.35 * fed)
-    assert np.median(chosen[-60:]) == 0
-    # Exploration still drafts now and then, so a change would be noticed.
-    assert 0 < sum(n > 0 for n in chosen[-60:]) <= 60 // 6 + 1
+    chosen = feed(DraftLength(8, adaptive=True), 600, 0.0, lambda fed, steps: 1.0 + 0.35 * fed)
+    assert np.median(chosen[-300:]) == 0
+    # Exploration still drafts now and then (once 128 plain steps ran), so a change would be
+    # noticed.
+    assert 0 < sum(n > 0 for n in chosen[-300:]) <= 300 // 128 + 1
 
 
 def test_adaptive_length_is_moderate_when_positions_cost() -> None:
@@ -569,7 +599,8 @@ def test_a_second_generation_starts_from_the_costs_the_first_measured(
 
     def spy(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        started.append((len(self._rounds), self._slope is not None, len(self._plain)))
+        measured = self._slope is not None
+        started.append((len(self._rounds), measured, len(self._plain), bool(self._first)))
 
     monkeypatch.setattr(DraftLength, "__init__", spy)
     options = dict(drafter="prompt-lookup", adaptive=True, max_tokens=120)
@@ -578,20 +609,20 @@ def test_a_second_generation_starts_from_the_costs_the_first_measured(
     other = tiny_llama(3)
     run(PROMPT, other, None, **options)
     assert first == second == greedy_reference[:120]
-    assert started[0] == (0, False, 0)
-    rounds, measured, plain = started[1]
-    assert rounds >= 2 and measured and plain >= 1
-    assert started[2] == (0, False, 0)
+    assert started[0] == (0, False, 0, False)
+    rounds, measured, plain, first = started[1]
+    assert rounds >= 2 and measured and plain >= 1 and first
+    assert started[2] == (0, False, 0, False)
 
 
 def test_kept_costs_go_with_their_models() -> None:
     from tiny_models import cut, tiny_llama
 
-    from mlx_spec.draft_length import MeasuredCosts, cost_key, forget_costs, keep, recall
+    from mlx_spec.draft_length import Measured, cost_key, forget_costs, keep, recall
 
     target = tiny_llama(4)
     draft = cut(target, 1)
-    costs = MeasuredCosts([(1, 4, 0.01), (1, 1, 0.005)], [0.002])
+    costs = Measured([(1, 4, 0.01), (1, 1, 0.005)], [0.002], {0: (2.5, 3.0)}, (1.5, 2.0))
     by_model = cost_key(target, draft, mx.Device(mx.cpu))
     by_class = cost_key(target, PromptLookupDrafter, mx.Device(mx.cpu))
     keep(by_model, costs)
@@ -610,20 +641,71 @@ def test_adaptive_length_recovers_from_a_first_round_far_too_slow() -> None:
     # drafting the most pays (about 6 tokens for 1.4). The first round, a first use, takes 6
     # more: the first slope says drafting does not pay, and later pairs must correct it.
     lengths = DraftLength(8, adaptive=True, stretches=True)
-    uniforms = iter(np.random.default_rng(0).random(20_000))
-    chosen = []
-    for i in range(300):
-        n = lengths.choose(1, 64)
-        chosen.append(n)
-        if n == 0:
-            lengths.record_plain(0.6)
-            continue
-        accepted = 0
-        while accepted < n and next(uniforms) < 0.9:
-            accepted += 1
-        lengths.record(n, accepted, 1 + n, n, 1.0 + 0.05 * n + (6.0 if i == 0 else 0.0))
+    chosen = _loop_like(lengths, 300, 0.9, lambda i, n: 1.0 + 0.05 * n + 6.0 * (i == 0), 0.6)
     assert chosen[1:20].count(0) > 0  # the outlier did mislead it at first
     assert np.median(chosen[-100:]) >= 7
+
+
+def test_a_second_generation_starts_from_the_acceptance_the_first_measured() -> None:
+    # Drafts kept 90% of the time: 8 of them yield about 6 tokens for 4.7 plain steps. Without
+    # the first generation's acceptance the next one starts from the prior (2/3), under which
+    # drafting does not pay, and it would not draft to learn better (the negative control).
+    from mlx_spec.draft_length import Measured
+
+    first = DraftLength(8, adaptive=True, stretches=True)
+    assert np.median(_gpu_like_generation(first, 100, 0.9)[-50:]) >= 7
+    kept = first.measured()
+    second = DraftLength(8, adaptive=True, stretches=True, kept=kept)
+    assert second.acceptance() == pytest.approx(first.acceptance())
+    assert second.choose(1, 64) >= 7
+    costs_only = Measured(kept.rounds, kept.plain)
+    assert DraftLength(8, adaptive=True, stretches=True, kept=costs_only).choose(1, 64) == 0
+
+
+def test_kept_acceptance_weighs_as_a_few_tested_tokens() -> None:
+    # One rejected first token barely moves it; ten of a new text outweigh it. Kept at full
+    # weight (about 30 rounds' worth), ten would leave it above one half.
+    kept = DraftLength(8, adaptive=True)
+    for _ in range(200):
+        kept.shadow(1, 1)
+    assert kept.acceptance()[0] > 0.95
+    second = DraftLength(8, adaptive=True, kept=kept.measured())
+    second.shadow(0, 1)
+    assert second.acceptance()[0] > 0.85
+    for _ in range(9):
+        second.shadow(0, 1)
+    assert second.acceptance()[0] < 0.5
+
+
+def test_drafts_are_verified_again_after_many_plain_steps() -> None:
+    # Drafting does not pay (drafts never kept): plain steps, counted by the stretch (or as
+    # rounds without drafts). Once 128 ran since the last round with drafts, a round of the most
+    # comes, then after as many again one of one token (the slope measured far apart), whatever
+    # the number of choices in between.
+    lengths = DraftLength(8, adaptive=True, stretches=True)
+    lengths.record(8, 0, 9, 8, 3.0)
+    lengths.record(1, 0, 2, 1, 1.5)
+    lengths.record_plain(0.5)
+    for _ in range(10):
+        assert lengths.choose(1, 64) == 0
+    lengths.ran_plain(127)
+    assert lengths.choose(1, 64) == 0
+    lengths.ran_plain(1)
+    assert lengths.choose(1, 64) == 8
+    lengths.record(8, 0, 9, 8, 3.0)
+    assert lengths.choose(1, 64) == 0
+    for _ in range(128):
+        lengths.record(0, 0, 1, 0, 0.5)
+    assert lengths.choose(1, 64) == 1
+
+
+def test_a_draft_model_never_kept_costs_little_in_rounds() -> None:
+    # Stretches of 8, 16, 32, then 64 plain steps: a round comes once 128 ran since the last
+    # one, not more often (which would lose more than a few percent to rounds drafting in vain).
+    chosen = _gpu_like_generation(DraftLength(8, adaptive=True, stretches=True), 60, 0.0)
+    after = chosen[10:]
+    assert after.count(0) >= 40
+    assert 0 < sum(n > 0 for n in after) <= len(after) // 5 + 1
 
 
 def test_acceptance_is_estimated_for_each_label_apart() -> None:
