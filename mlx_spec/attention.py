@@ -126,9 +126,13 @@ def chunking() -> Iterator[None]:
     """Within it, on this thread, ``mx.fast.scaled_dot_product_attention`` runs a causal or
     unmasked attention over more than :data:`QUERIES_PER_CALL` queries in chunks (see the module's
     description). The first use installs a wrapper that changes nothing outside it."""
-    with _lock:
-        if not getattr(mx.fast.scaled_dot_product_attention, "chunks", False):
-            mx.fast.scaled_dot_product_attention = _chunked(mx.fast.scaled_dot_product_attention)
+    # Every verification enters here: the lock only for the first install.
+    if not getattr(mx.fast.scaled_dot_product_attention, "chunks", False):
+        with _lock:
+            if not getattr(mx.fast.scaled_dot_product_attention, "chunks", False):
+                mx.fast.scaled_dot_product_attention = _chunked(
+                    mx.fast.scaled_dot_product_attention
+                )
     previous = getattr(_local, "active", False)
     _local.active = True
     try:

@@ -369,7 +369,7 @@ class DraftLength:
     def measured(self) -> Measured:
         """Measured: what the rounds and plain steps cost so far and the acceptance estimates
         (a copy), to keep for the next generation (see :func:`keep`)."""
-        first = {label: (kept, tested) for label, (kept, tested) in self._first.items()}
+        first = {label: tuple(counts) for label, counts in self._first.items()}
         return Measured(list(self._rounds), list(self._plain), first, tuple(self._later))
 
     def _fit(self) -> None:
