@@ -88,9 +88,8 @@ class _Ledger:
         self.rng = np.random.default_rng(seed)
         self.rounds = 0.0
         self.round_tokens = 0
-        # The stretches of plain steps begun, and the steps of the current one.
+        # The stretches of plain steps begun.
         self.stretches = 0
-        self.stretch_steps = 0
 
 
 def _modelled(ledger: _Ledger) -> type[DraftLength]:
@@ -106,23 +105,24 @@ def _modelled(ledger: _Ledger) -> type[DraftLength]:
             super().record(drafted, accepted, fed, steps, noisy, label)
 
         def record_plain(self, seconds):
+            noise = ledger.costs.noise
+            super().record_plain(1 + noise * ledger.rng.uniform(-1, 1))
+
+        def record_restart(self, seconds):
             c = ledger.costs
-            step = 1 + c.stretch_start / max(ledger.stretch_steps, 1)
-            super().record_plain(step * (1 + c.noise * ledger.rng.uniform(-1, 1)))
+            first = (1 + c.stretch_start) * (1 + c.noise * ledger.rng.uniform(-1, 1))
+            super().record_restart(first)
 
     return Modelled
 
 
 def _counted_stretch(ledger: _Ledger):
-    """Generation.stretch, counting the stretches begun and their steps into ``ledger``."""
+    """Generation.stretch, counting the stretches begun into ``ledger``."""
     stretch = loop_module.Generation.stretch
 
     def counted(self, count):
         ledger.stretches += 1
-        ledger.stretch_steps = 0
-        for step in stretch(self, count):
-            ledger.stretch_steps += 1
-            yield step
+        yield from stretch(self, count)
 
     return counted
 

@@ -44,6 +44,13 @@ text outweigh them, while one rejected first round does not make a drafter that 
 look worse than plain steps (whose estimate would then not be measured again for a long while).
 :func:`forget_costs` drops what was kept.
 
+Where drafting nothing runs stretches of pipelined plain steps, a stretch's first step waits for
+its own host work, which the steps after it hide: going from plain steps to rounds and back costs
+that restart once, which a round's own time does not hold. Each round is charged the restart's
+measured excess over a plain step, times the estimated chance that plain steps come after it (the
+share of rounds followed by a stretch, older ones weighing less): copies that run round after
+round pay it once, lone rounds between plain steps in full.
+
 A target whose caches are restored after a rejection (recurrent layers) feeds again, in the next
 call, everything since its last fully kept round; the choice counts that future cost too, and a
 fixed length drafts nothing in a round where more than ``N + 1`` tokens wait, so they are fed once.
@@ -96,6 +103,8 @@ _EXPLORE_PLAIN = 128
 # The acceptance a generation starts from, kept from the last one, weighs at most this many
 # tested draft tokens (the estimates of a generation weigh up to about 30 rounds' worth).
 _KEPT_TESTED = 10.0
+# The chance that plain steps follow a round, before any round, as pseudo-counts: a half worth 2.
+_PRIOR_ENDS, _PRIOR_ROUNDS = 1.0, 2.0
 
 
 @dataclass
@@ -106,16 +115,19 @@ class Measured:
     Attributes:
         rounds (list): ``(waiting tokens, draft tokens, seconds)`` of the latest rounds, oldest
             first.
-        plain (list): seconds a token of the latest stretches of plain steps.
+        plain (list): seconds a token of the latest stretches of plain steps, after their first.
         first (dict): for each proposal label, ``(kept, tested)`` of its first draft tokens,
             older ones weighing less (see :meth:`DraftLength.acceptance`).
         later (tuple): ``(kept, tested)`` of the later draft tokens, likewise.
+        restarts (list): seconds by which the first step of the latest stretches exceeded a plain
+            step.
     """
 
     rounds: list[tuple[int, int, float]] = field(default_factory=list)
     plain: list[float] = field(default_factory=list)
     first: dict[int, tuple[float, float]] = field(default_factory=dict)
     later: tuple[float, float] = (_PRIOR_KEPT, _PRIOR_TESTED)
+    restarts: list[float] = field(default_factory=list)
 
 
 CostKey = tuple[int, Hashable, str]
@@ -158,7 +170,9 @@ def recall(key: CostKey) -> Measured | None:
         kept = _KEPT.get(key)
         if kept is None:
             return None
-        return Measured(list(kept.rounds), list(kept.plain), dict(kept.first), kept.later)
+        return Measured(
+            list(kept.rounds), list(kept.plain), dict(kept.first), kept.later, list(kept.restarts)
+        )
 
 
 def keep(key: CostKey, measured: Measured) -> None:
@@ -216,14 +230,21 @@ class DraftLength:
         # (pending, drafted, seconds) of the recent rounds, oldest first.
         self._rounds: deque[tuple[int, int, float]] = deque(maxlen=_COST_WINDOW)
         self._base = self._slope = None
-        # Seconds a token of the recent stretches of plain steps (see mlx_spec.loop).
+        # Seconds a token of the recent stretches of plain steps (see mlx_spec.loop), and the
+        # excess of their first steps.
         self._plain: deque[float] = deque(maxlen=_PLAIN_WINDOW)
+        self._restarts: deque[float] = deque(maxlen=_PLAIN_WINDOW)
+        # [followed by plain steps, rounds] of the rounds with drafts, and whether the last thing
+        # run was such a round.
+        self._ends = [_PRIOR_ENDS, _PRIOR_ROUNDS]
+        self._after_round = False
         # Plain steps run since the last round with drafts, and the rounds explored while
         # drafting did not pay.
         self._plain_since = self._explored = 0
         if kept is not None:
             self._rounds.extend(kept.rounds)
             self._plain.extend(kept.plain)
+            self._restarts.extend(kept.restarts)
             if self._rounds:
                 self._fit()
             self._first = {label: _weighed(*counts) for label, counts in kept.first.items()}
@@ -331,6 +352,9 @@ class DraftLength:
             rejected = survival[:-1] - survival[1:]
             kept = np.cumsum(np.arange(top) * rejected)
             cost = cost + self._slope * ((1 - survival[1:]) * pending + kept)
+        if self.stretches and self._restarts:
+            # Plain steps after the round start their pipeline again (see the module's text).
+            cost = cost + self._ends[0] / self._ends[1] * statistics.median(self._restarts)
         rates = tokens / np.maximum(cost, 1e-9)
         best = int(np.argmax(rates))
         # Drafting must beat plain steps by more than rounding to be chosen.
@@ -350,6 +374,10 @@ class DraftLength:
             label (int): the proposal's label.
         """
         self._kept_all = drafted > 0 and accepted == drafted
+        if drafted:
+            if self._after_round:
+                _add(self._ends, 0, 1)
+            self._after_round = True
         # A round without drafts is a plain step (where there are no stretches).
         self._plain_since = self._plain_since + 1 if drafted == 0 else 0
         if drafted:
@@ -359,18 +387,31 @@ class DraftLength:
             self._fit()
 
     def record_plain(self, seconds: float) -> None:
-        """The seconds a token took in a stretch of plain steps (which drafting must beat)."""
+        """The seconds a token took in a stretch of plain steps after its first step (which
+        drafting must beat)."""
         self._plain.append(seconds)
+
+    def record_restart(self, seconds: float) -> None:
+        """The seconds the first step of a stretch of plain steps took, which waits for its own
+        host work; its excess over a plain step is what a round costs more when plain steps
+        follow it (counted once plain steps were measured)."""
+        if self._plain:
+            self._restarts.append(max(seconds - statistics.median(self._plain), 0.0))
 
     def ran_plain(self, steps: int) -> None:
         """Counts ``steps`` plain steps run (a stretch, measured or cut short)."""
         self._plain_since += steps
+        if steps and self._after_round:
+            _add(self._ends, 1, 1)
+            self._after_round = False
 
     def measured(self) -> Measured:
         """Measured: what the rounds and plain steps cost so far and the acceptance estimates
         (a copy), to keep for the next generation (see :func:`keep`)."""
         first = {label: tuple(counts) for label, counts in self._first.items()}
-        return Measured(list(self._rounds), list(self._plain), first, tuple(self._later))
+        return Measured(
+            list(self._rounds), list(self._plain), first, tuple(self._later), list(self._restarts)
+        )
 
     def _fit(self) -> None:
         rounds = np.array(self._rounds, dtype=np.float64)

@@ -361,6 +361,9 @@ class Generation:
         last = count
         replays = self.target.cache.replays
         step = self._plain_step(self.text.tokens(held), context)
+        # When the first step was read: it also waited for its own host work, which the steps
+        # after it hide behind the step ahead.
+        first = start
         while step is not None:
             lazy, fed, logprobs = step
             made += 1
@@ -374,6 +377,8 @@ class Generation:
             # The step's one read, of the token alone: a new op on it (a concatenation, say)
             # would queue behind the step ahead, and the read would wait for both.
             token = lazy.item()
+            if made == 1:
+                first = time.perf_counter()
             check_next("speculative_generate_step", token)
             self.text.extend([token])
             # The drafter follows the text (prompt lookup's index), so the next guess is current.
@@ -391,12 +396,12 @@ class Generation:
             if token in self.eos_set:
                 break
             step = ahead
-        cut = last < count
         self.lengths.ran_plain(made)
-        if not cut:
-            # A stretch cut short is mostly its first steps, unpipelined: not what plain steps
+        self.lengths.record_restart(first - start)
+        if last == count and made > 1:
+            # A stretch cut short ends where a copy begins: its steps are not what plain steps
             # cost once they run.
-            self.lengths.record_plain((time.perf_counter() - start) / made)
+            self.lengths.record_plain((time.perf_counter() - first) / (made - 1))
         self.next_stretch = min(2 * self.next_stretch, LONGEST_STRETCH)
 
     def _plain_step(

@@ -726,6 +726,77 @@ def test_acceptance_is_estimated_for_each_label_apart() -> None:
     assert lengths.acceptance(1)[1] == lengths.acceptance(3)[1] > 0.8
 
 
+def _copying(restart: float | None) -> DraftLength:
+    """Adaptive prompt-lookup lengths on a GPU-like cost (a round 2 plain steps and 0.05 a
+    position) whose 3-gram proposals are nearly always kept, and whose stretches' first steps
+    took ``restart`` plain steps more than the later ones (``None``: not measured)."""
+    lengths = DraftLength(8, adaptive=True, free=True, stretches=True)
+    for drafted in (1, 8, 1, 8):
+        lengths.record(drafted, 0, drafted + 1, 0, 2.0 + 0.05 * (drafted + 1))
+    lengths.ran_plain(8)
+    lengths.record_plain(1.0)
+    for _ in range(30):
+        lengths.shadow(1, 1, label=3)
+    if restart is not None:
+        lengths.record_restart(1.0 + restart)
+    return lengths
+
+
+def test_lone_rounds_pay_for_restarting_the_plain_steps_after_them() -> None:
+    # Drafting 7 or 8 from a 3-gram yields about 3.8 tokens for 2.45 plain steps' time. A round
+    # between plain steps also makes the next stretch start its pipeline again: 3 steps more
+    # here, which it no longer beats. Rounds that follow rounds (a copy going on) pay it once.
+    lone, chained, unmeasured = _copying(3.0), _copying(3.0), _copying(None)
+    for lengths in (lone, unmeasured):
+        for _ in range(20):
+            lengths.record(1, 0, 2, 0, 2.1)
+            lengths.ran_plain(8)
+    for _ in range(20):
+        chained.record(1, 0, 2, 0, 2.1)
+    assert unmeasured._best(1, 8, False, 3) > 0  # the control: without the restart it pays
+    assert lone._best(1, 8, False, 3) == 0 and not lone.pays(3)
+    assert chained._best(1, 8, False, 3) > 0 and chained.pays(3)
+    # Without stretches (a group's rounds of one step) there is no pipeline to restart.
+    grouped = DraftLength(8, adaptive=True, free=True, kept=lone.measured())
+    grouped.record_plain(1.0)
+    for _ in range(30):
+        grouped.shadow(1, 1, label=3)
+    assert grouped._best(1, 8, False, 3) > 0
+
+
+def test_restarts_are_measured_against_plain_steps_and_kept() -> None:
+    lengths = DraftLength(8, adaptive=True, free=True, stretches=True)
+    lengths.record_restart(5.0)  # before any plain step was measured: nothing to compare with
+    lengths.record_plain(1.0)
+    lengths.record_restart(3.5)
+    lengths.record_restart(0.5)  # a first step no slower than the others costs nothing more
+    assert lengths.measured().restarts == [2.5, 0.0]
+    second = DraftLength(8, adaptive=True, free=True, stretches=True, kept=lengths.measured())
+    assert second.measured().restarts == [2.5, 0.0]
+
+
+def test_each_stretch_reports_its_first_step_apart(target, monkeypatch) -> None:
+    # The first step of a stretch waits for its own host work: each stretch reports it as a
+    # restart, and only the later steps of a stretch run to its end as what plain steps cost.
+    events = []
+    stretch = loop.Generation.stretch
+
+    def counted(self, count):
+        events.append(("stretch", count))
+        yield from stretch(self, count)
+
+    monkeypatch.setattr(loop.Generation, "stretch", counted)
+    monkeypatch.setattr(DraftLength, "pays", lambda self, label, replays=False: False)
+    monkeypatch.setattr(DraftLength, "choose", lambda self, *args, **kwargs: 0)
+    monkeypatch.setattr(DraftLength, "record_restart", lambda self, s: events.append(("first", s)))
+    monkeypatch.setattr(DraftLength, "record_plain", lambda self, s: events.append(("plain", s)))
+    run(PROMPT, target, None, drafter="prompt-lookup", adaptive=True, max_tokens=130)
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["stretch", "first", "plain"] * 4 + ["stretch", "first", "plain"][:3]
+    assert [count for kind, count in events if kind == "stretch"] == [8, 16, 32, 64, 10]
+    assert all(seconds > 0 for kind, seconds in events if kind != "stretch")
+
+
 def test_stretch_guesses_follow_the_text(target, monkeypatch) -> None:
     # In a stretch of plain steps, prompt lookup's guess for each token must come from the text
     # up to it (its acceptance is measured from these guesses), not from where the stretch began.
