@@ -88,8 +88,9 @@ class _Ledger:
         self.rng = np.random.default_rng(seed)
         self.rounds = 0.0
         self.round_tokens = 0
-        # The stretches of plain steps begun.
+        # The stretches of plain steps begun, and the steps of the current one.
         self.stretches = 0
+        self.stretch_steps = 0
 
 
 def _modelled(ledger: _Ledger) -> type[DraftLength]:
@@ -105,8 +106,9 @@ def _modelled(ledger: _Ledger) -> type[DraftLength]:
             super().record(drafted, accepted, fed, steps, noisy, label)
 
         def record_plain(self, seconds):
-            noise = ledger.costs.noise
-            super().record_plain(1 + noise * ledger.rng.uniform(-1, 1))
+            c = ledger.costs
+            step = 1 + c.stretch_start / max(ledger.stretch_steps, 1)
+            super().record_plain(step * (1 + c.noise * ledger.rng.uniform(-1, 1)))
 
         def record_restart(self, seconds):
             c = ledger.costs
@@ -117,12 +119,15 @@ def _modelled(ledger: _Ledger) -> type[DraftLength]:
 
 
 def _counted_stretch(ledger: _Ledger):
-    """Generation.stretch, counting the stretches begun into ``ledger``."""
+    """Generation.stretch, counting the stretches begun and their steps into ``ledger``."""
     stretch = loop_module.Generation.stretch
 
     def counted(self, count):
         ledger.stretches += 1
-        yield from stretch(self, count)
+        ledger.stretch_steps = 0
+        for step in stretch(self, count):
+            ledger.stretch_steps += 1
+            yield step
 
     return counted
 

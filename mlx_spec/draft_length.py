@@ -46,10 +46,13 @@ look worse than plain steps (whose estimate would then not be measured again for
 
 Where drafting nothing runs stretches of pipelined plain steps, a stretch's first step waits for
 its own host work, which the steps after it hide: going from plain steps to rounds and back costs
-that restart once, which a round's own time does not hold. Each round is charged the restart's
-measured excess over a plain step, times the estimated chance that plain steps come after it (the
-share of rounds followed by a stretch, older ones weighing less): copies that run round after
-round pay it once, lone rounds between plain steps in full.
+that restart once more, which a round's own time does not hold. Each round is charged the
+restart's measured excess over a plain step, times the estimated chance that plain steps come
+after it: the share of rounds after which there was nothing to propose or the next choice, made
+without this charge, was plain steps (older rounds weighing less). Copies that run round after
+round pay it once; prompt lookup's lone rounds between plain steps (a guess from a long n-gram
+kept, the next proposal from a short one not worth verifying) pay it in full. Choices made without
+the charge decide the share, so the charge cannot make rounds look lone by itself.
 
 A target whose caches are restored after a rejection (recurrent layers) feeds again, in the next
 call, everything since its last fully kept round; the choice counts that future cost too, and a
@@ -103,8 +106,8 @@ _EXPLORE_PLAIN = 128
 # The acceptance a generation starts from, kept from the last one, weighs at most this many
 # tested draft tokens (the estimates of a generation weigh up to about 30 rounds' worth).
 _KEPT_TESTED = 10.0
-# The chance that plain steps follow a round, before any round, as pseudo-counts: a half worth 2.
-_PRIOR_ENDS, _PRIOR_ROUNDS = 1.0, 2.0
+# The chance that plain steps follow a round, before any round, as pseudo-counts: none, worth 1.
+_PRIOR_ENDS, _PRIOR_ROUNDS = 0.0, 1.0
 
 
 @dataclass
@@ -115,7 +118,7 @@ class Measured:
     Attributes:
         rounds (list): ``(waiting tokens, draft tokens, seconds)`` of the latest rounds, oldest
             first.
-        plain (list): seconds a token of the latest stretches of plain steps, after their first.
+        plain (list): seconds a token of the latest stretches of plain steps.
         first (dict): for each proposal label, ``(kept, tested)`` of its first draft tokens,
             older ones weighing less (see :meth:`DraftLength.acceptance`).
         later (tuple): ``(kept, tested)`` of the later draft tokens, likewise.
@@ -235,7 +238,7 @@ class DraftLength:
         self._plain: deque[float] = deque(maxlen=_PLAIN_WINDOW)
         self._restarts: deque[float] = deque(maxlen=_PLAIN_WINDOW)
         # [followed by plain steps, rounds] of the rounds with drafts, and whether the last thing
-        # run was such a round.
+        # run was such a round (whose follower is not yet known).
         self._ends = [_PRIOR_ENDS, _PRIOR_ROUNDS]
         self._after_round = False
         # Plain steps run since the last round with drafts, and the rounds explored while
@@ -297,6 +300,9 @@ class DraftLength:
         self._count += 1
         if top == 0:
             return 0
+        if self._after_round and self._slope is not None:
+            # Plain steps would follow the last round whatever a restart costs.
+            self._followed(self._best(pending, top, replays, label, restart=False) == 0)
         if self._slope is None:
             # Until a pair of rounds of different lengths is measured: the most, then one, ...
             # (lengths far apart measure the slope above the noise of a round's time).
@@ -333,8 +339,9 @@ class DraftLength:
         measured = self._slope is not None and bool(self._plain)
         return measured and self._best(1, self.most, replays, label) > 0
 
-    def _best(self, pending: int, top: int, replays: bool, label: int) -> int:
-        """The ``N`` in ``[0, top]`` of the most tokens per second, 0 being plain steps."""
+    def _best(self, pending: int, top: int, replays: bool, label: int, restart: bool = True) -> int:
+        """The ``N`` in ``[0, top]`` of the most tokens per second, 0 being plain steps;
+        ``restart``: whether a round is charged the restart of the plain steps after it."""
         if top == 0:
             return 0
         a1, a = (min(x, 0.999) for x in self.acceptance(label))
@@ -352,7 +359,7 @@ class DraftLength:
             rejected = survival[:-1] - survival[1:]
             kept = np.cumsum(np.arange(top) * rejected)
             cost = cost + self._slope * ((1 - survival[1:]) * pending + kept)
-        if self.stretches and self._restarts:
+        if restart and self.stretches and self._restarts:
             # Plain steps after the round start their pipeline again (see the module's text).
             cost = cost + self._ends[0] / self._ends[1] * statistics.median(self._restarts)
         rates = tokens / np.maximum(cost, 1e-9)
@@ -374,10 +381,7 @@ class DraftLength:
             label (int): the proposal's label.
         """
         self._kept_all = drafted > 0 and accepted == drafted
-        if drafted:
-            if self._after_round:
-                _add(self._ends, 0, 1)
-            self._after_round = True
+        self._after_round = drafted > 0
         # A round without drafts is a plain step (where there are no stretches).
         self._plain_since = self._plain_since + 1 if drafted == 0 else 0
         if drafted:
@@ -387,8 +391,7 @@ class DraftLength:
             self._fit()
 
     def record_plain(self, seconds: float) -> None:
-        """The seconds a token took in a stretch of plain steps after its first step (which
-        drafting must beat)."""
+        """The seconds a token took in a stretch of plain steps (which drafting must beat)."""
         self._plain.append(seconds)
 
     def record_restart(self, seconds: float) -> None:
@@ -401,9 +404,17 @@ class DraftLength:
     def ran_plain(self, steps: int) -> None:
         """Counts ``steps`` plain steps run (a stretch, measured or cut short)."""
         self._plain_since += steps
-        if steps and self._after_round:
-            _add(self._ends, 1, 1)
-            self._after_round = False
+        self._after_round = self._after_round and not steps
+
+    def no_proposal(self) -> None:
+        """Tells that the drafter had nothing to propose: plain steps follow."""
+        if self._after_round:
+            self._followed(True)
+
+    def _followed(self, by_plain: bool) -> None:
+        """Counts whether plain steps followed the last round, which was followed by a choice."""
+        _add(self._ends, int(by_plain), 1)
+        self._after_round = False
 
     def measured(self) -> Measured:
         """Measured: what the rounds and plain steps cost so far and the acceptance estimates

@@ -253,6 +253,7 @@ class Generation:
             proposal = self._propose(min(self.lengths.most, cap), None)
             if proposal.size == 0:
                 self.lengths.measuring = False
+                self.lengths.no_proposal()
                 return 0
             self._proposal = proposal
             return self.lengths.choose(pending, cap, replays, proposal.label)
@@ -361,8 +362,8 @@ class Generation:
         last = count
         replays = self.target.cache.replays
         step = self._plain_step(self.text.tokens(held), context)
-        # When the first step was read: it also waited for its own host work, which the steps
-        # after it hide behind the step ahead.
+        # When the first step was read: it waited for its own host work, which each later step
+        # hides behind the step ahead (a restart, see DraftLength.record_restart).
         first = start
         while step is not None:
             lazy, fed, logprobs = step
@@ -398,10 +399,10 @@ class Generation:
             step = ahead
         self.lengths.ran_plain(made)
         self.lengths.record_restart(first - start)
-        if last == count and made > 1:
-            # A stretch cut short ends where a copy begins: its steps are not what plain steps
+        if last == count:
+            # A stretch cut short is mostly its first steps, unpipelined: not what plain steps
             # cost once they run.
-            self.lengths.record_plain((time.perf_counter() - first) / (made - 1))
+            self.lengths.record_plain((time.perf_counter() - start) / made)
         self.next_stretch = min(2 * self.next_stretch, LONGEST_STRETCH)
 
     def _plain_step(

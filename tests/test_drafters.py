@@ -501,11 +501,14 @@ def feed(lengths: DraftLength, rounds: int, acceptance: float, cost, pending: in
     return chosen
 
 
-def _loop_like(lengths: DraftLength, choices: int, acceptance: float, cost, plain: float):
+def _loop_like(
+    lengths: DraftLength, choices: int, acceptance: float, cost, plain: float, restart: float = 0.0
+):
     """The choices of a draft model's generation made as the loop makes them: a choice of 0 runs
     a stretch of plain steps (8, then twice as many up to 64, until a round) at ``plain`` seconds
-    a token; a round of the ``i``-th choice drafting ``n`` tokens keeps each while a fixed stream
-    of uniforms stays under ``acceptance`` and takes ``cost(i, n)`` seconds."""
+    a token, its first step ``restart`` seconds more; a round of the ``i``-th choice drafting
+    ``n`` tokens keeps each while a fixed stream of uniforms stays under ``acceptance`` and takes
+    ``cost(i, n)`` seconds."""
     uniforms = iter(np.random.default_rng(1).random(choices * 200))
     chosen, stretch = [], 8
     for i in range(choices):
@@ -513,7 +516,8 @@ def _loop_like(lengths: DraftLength, choices: int, acceptance: float, cost, plai
         chosen.append(n)
         if n == 0:
             lengths.ran_plain(stretch)
-            lengths.record_plain(plain)
+            lengths.record_restart(plain + restart)
+            lengths.record_plain(plain + restart / stretch)
             stretch = min(2 * stretch, 64)
             continue
         stretch = 8
@@ -750,9 +754,11 @@ def test_lone_rounds_pay_for_restarting_the_plain_steps_after_them() -> None:
     for lengths in (lone, unmeasured):
         for _ in range(20):
             lengths.record(1, 0, 2, 0, 2.1)
+            lengths.no_proposal()  # nothing to propose after it: plain steps follow
             lengths.ran_plain(8)
     for _ in range(20):
         chained.record(1, 0, 2, 0, 2.1)
+        chained.choose(1, 8, label=3)  # a 3-gram's proposal next, worth a round but for restarts
     assert unmeasured._best(1, 8, False, 3) > 0  # the control: without the restart it pays
     assert lone._best(1, 8, False, 3) == 0 and not lone.pays(3)
     assert chained._best(1, 8, False, 3) > 0 and chained.pays(3)
@@ -762,6 +768,26 @@ def test_lone_rounds_pay_for_restarting_the_plain_steps_after_them() -> None:
     for _ in range(30):
         grouped.shadow(1, 1, label=3)
     assert grouped._best(1, 8, False, 3) > 0
+
+
+def test_a_restart_does_not_stop_a_draft_model_whose_rounds_pay() -> None:
+    # A draft model's rounds follow each other while they pay, so the restart after them is paid
+    # once. Charging every round for it (as if plain steps followed each) would make drafting not
+    # pay on this GPU-like cost (a round 3.7 plain steps, a restart 3 more); every round's
+    # follower would then be plain steps, and it would stay so.
+    chosen = _loop_like(
+        DraftLength(8, adaptive=True, stretches=True),
+        80,
+        0.85,
+        lambda i, n: 3.7 + 0.12 * n,
+        1.0,
+        3.0,
+    )
+    assert sum(n > 0 for n in chosen[-40:]) >= 35
+    control = DraftLength(8, adaptive=True, stretches=True)
+    _loop_like(control, 80, 0.85, lambda i, n: 3.7 + 0.12 * n, 1.0, 3.0)
+    control._ends = [1.0, 1.0]  # as if plain steps had followed every round
+    assert control._best(1, 8, False, 0) == 0
 
 
 def test_restarts_are_measured_against_plain_steps_and_kept() -> None:
@@ -777,7 +803,7 @@ def test_restarts_are_measured_against_plain_steps_and_kept() -> None:
 
 def test_each_stretch_reports_its_first_step_apart(target, monkeypatch) -> None:
     # The first step of a stretch waits for its own host work: each stretch reports it as a
-    # restart, and only the later steps of a stretch run to its end as what plain steps cost.
+    # restart, then (run to its end) what a token of it cost.
     events = []
     stretch = loop.Generation.stretch
 
