@@ -61,6 +61,7 @@ fixed length drafts nothing in a round where more than ``N + 1`` tokens wait, so
 
 from __future__ import annotations
 
+import copy
 import statistics
 import threading
 import weakref
@@ -171,11 +172,7 @@ def recall(key: CostKey) -> Measured | None:
     """What was kept under ``key`` (a copy), or ``None``."""
     with _KEPT_LOCK:
         kept = _KEPT.get(key)
-        if kept is None:
-            return None
-        return Measured(
-            list(kept.rounds), list(kept.plain), dict(kept.first), kept.later, list(kept.restarts)
-        )
+        return None if kept is None else copy.deepcopy(kept)
 
 
 def keep(key: CostKey, measured: Measured) -> None:
@@ -300,7 +297,7 @@ class DraftLength:
         self._count += 1
         if top == 0:
             return 0
-        if self._after_round and self._slope is not None:
+        if self._after_round and self._slope is not None and self._charges_restarts:
             # Plain steps would follow the last round whatever a restart costs.
             self._followed(self._best(pending, top, replays, label, restart=False) == 0)
         if self._slope is None:
@@ -339,6 +336,12 @@ class DraftLength:
         measured = self._slope is not None and bool(self._plain)
         return measured and self._best(1, self.most, replays, label) > 0
 
+    @property
+    def _charges_restarts(self) -> bool:
+        """Whether rounds are charged the restart of the plain steps after them: where drafting
+        nothing runs stretches, once a restart was measured."""
+        return self.stretches and bool(self._restarts)
+
     def _best(self, pending: int, top: int, replays: bool, label: int, restart: bool = True) -> int:
         """The ``N`` in ``[0, top]`` of the most tokens per second, 0 being plain steps;
         ``restart``: whether a round is charged the restart of the plain steps after it."""
@@ -359,7 +362,7 @@ class DraftLength:
             rejected = survival[:-1] - survival[1:]
             kept = np.cumsum(np.arange(top) * rejected)
             cost = cost + self._slope * ((1 - survival[1:]) * pending + kept)
-        if restart and self.stretches and self._restarts:
+        if restart and self._charges_restarts:
             # Plain steps after the round start their pipeline again (see the module's text).
             cost = cost + self._ends[0] / self._ends[1] * statistics.median(self._restarts)
         rates = tokens / np.maximum(cost, 1e-9)
@@ -404,7 +407,8 @@ class DraftLength:
     def ran_plain(self, steps: int) -> None:
         """Counts ``steps`` plain steps run (a stretch, measured or cut short)."""
         self._plain_since += steps
-        self._after_round = self._after_round and not steps
+        if steps:
+            self._after_round = False
 
     def no_proposal(self) -> None:
         """Tells that the drafter had nothing to propose: plain steps follow."""
