@@ -164,26 +164,17 @@ def section(entry: dict[str, Any]) -> str:
     """
     path = RESULTS / entry["file"]
     recorded(path)  # the page names the file, which names the commit
-    link = f"[{entry['file']}](results/{entry['file']})"
-    facts = [f"measured at the commit recorded in {link}"]
+    facts = f"Measured at the commit recorded in [{entry['file']}](results/{entry['file']})."
     if path.suffix == ".json":
         data = json.loads(path.read_text(encoding="utf-8"))
-        facts = [_machine(data["machine"]), _settings(data), *facts]
+        facts = f"{_machine(data['machine'])}; {_settings(data)}. {facts}"
         kind = _distributed if entry.get("kind") == "distributed" else _generation
         body = kind(data)
     else:
         # A printed table's title line ("# ...") is a caption here, not a heading.
         text = RECORD.sub("", path.read_text(encoding="utf-8")).strip()
         body = re.sub(r"^# (.*)\n+", r"*\1*\n\n", text, flags=re.M)
-    line = "; ".join(facts)
-    out = [
-        f"### {entry['title']}",
-        "",
-        f"`{entry['command']}`",
-        "",
-        line[0].upper() + line[1:] + ".",
-        "",
-    ]
+    out = [f"### {entry['title']}", "", f"`{entry['command']}`", "", facts, ""]
     if entry.get("note"):
         out += [entry["note"], ""]
     return "\n".join([*out, body, ""])
