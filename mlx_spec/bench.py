@@ -4,9 +4,11 @@ What ``mlx-spec bench`` and ``mlx-spec demo`` run, and ``benchmarks/generation.p
 :class:`Method` generates through a public API (:func:`plain`, :func:`mlx_lm`, :func:`mlx_spec`).
 :func:`measure` runs methods interleaved prompt by prompt, so that load on the machine hits them
 alike, each twice in a row: the first run is its first use of the prompt's shapes (on MLX's CUDA
-backend each new shape of an attention call first builds a graph), the second the steady state.
+backend each new shape of an attention call first builds a graph), the second the steady state;
+repeated passes over the prompts give each method a spread of steady-state runs.
 :func:`summarize` sets each against plain decoding, mlx-lm's loop and the best fixed draft length
-of the same run; :func:`table` prints that.
+of the same run; :func:`table` prints that, :func:`noise` and :func:`verdicts` say what it shows,
+and :func:`plot` draws tokens/s against tokens per round (with matplotlib, if installed).
 
 Needs mlx-lm (``pip install "mlx-spec[lm]"``).
 """
@@ -14,9 +16,11 @@ Needs mlx-lm (``pip install "mlx-spec[lm]"``).
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -37,7 +41,12 @@ Generate = Callable[[mx.array, float, int, int], SpeculativeStats]
 """``(prompt, temp, seed, max_tokens) -> counts``: one whole generation."""
 
 PHASES = ("first", "steady")
-"""The two runs in a row of each method on each prompt."""
+"""The two runs in a row of each method on each prompt (in the first pass over the prompts)."""
+
+NOISE = 0.1
+"""How far plain decoding's tokens/s may spread over the repeats of a measurement, as a share of
+their median (``(max - min) / median``), for a verdict (:func:`noise`, :func:`verdicts`): past
+it, load on the machine moves the timings as much as the gains the table would show on a CPU."""
 
 
 @dataclass(frozen=True)
@@ -77,8 +86,15 @@ class Timed:
 
     def __add__(self, other: Timed) -> Timed:
         a, b = self.stats, other.stats
-        total = {f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(a)}
+        total = {f.name: _add(getattr(a, f.name), getattr(b, f.name)) for f in fields(a)}
         return Timed(SpeculativeStats(**total), self.seconds + other.seconds)
+
+
+def _add(a: Any, b: Any) -> Any:
+    """Two counts summed; two lists of counts per draft position summed position by position."""
+    if isinstance(a, list):
+        return [x + y for x, y in itertools.zip_longest(a, b, fillvalue=0)]
+    return a + b
 
 
 def run(method: Method, prompt: mx.array, temp: float, seed: int, max_tokens: int) -> Timed:
@@ -208,30 +224,47 @@ def measure(
     max_tokens: int,
     on_row: Callable[[dict[str, Any]], None] = lambda _: None,
     progress: Callable[[str], None] = lambda _: None,
+    *,
+    repeats: int = 1,
+    on_run: Callable[[int, int, str], None] = lambda *_: None,
 ) -> list[dict[str, Any]]:
     """Every method on every prompt of every workload at every temperature, interleaved.
 
     Prompt by prompt (prompt ``i`` with seed ``i``), each method runs twice in a row (the
     :data:`PHASES`); the order of the methods turns by one with each prompt, so that no method
-    always meets a prompt first. ``progress`` is called with a label before each workload and
-    temperature, ``on_row`` with each row as soon as it is measured.
+    always meets a prompt first. With ``repeats`` above 1, more passes over the prompts follow,
+    each method running once a prompt (the steady state: the shapes are no longer new), the
+    order still turning, so that each method's steady state has a tokens/s per pass.
+    ``progress`` is called with a label before each workload and temperature, ``on_run`` with
+    ``(done, total, label)`` before each method meets a prompt, ``on_row`` with each row as soon
+    as it is measured.
 
     Returns:
-        list of dict: per workload, temperature, method and phase, totals over the prompts: the
-        method's fields, the counts of :class:`SpeculativeStats`, ``seconds``,
-        ``tokens_per_second``, ``tokens_per_round`` and ``acceptance_rate``.
+        list of dict: per workload, temperature, method and phase, totals over the prompts and
+        passes: the method's fields, the counts of :class:`SpeculativeStats`, ``seconds``,
+        ``tokens_per_second``, ``tokens_per_round``, ``acceptance_rate``, ``repeats`` (the passes
+        totalled: 1 for the first runs) and ``tokens_per_second_by_repeat`` (one per pass).
     """
     rows = []
+    total = repeats * len(temps) * len(methods) * sum(len(p) for p in workloads.values())
+    done = 0
     for workload, prompts in workloads.items():
         for temp in temps:
             progress(f"{workload}, temperature {temp}")
-            totals = {(m, phase): Timed() for m in methods for phase in PHASES}
-            for i, prompt in enumerate(prompts):
-                turn = i % len(methods)
-                for method in [*methods[turn:], *methods[:turn]]:
-                    for phase in PHASES:
-                        totals[method, phase] += run(method, prompt, temp, i, max_tokens)
-            for (method, phase), timed in totals.items():
+            passes = {(m, p): [Timed() for _ in range(repeats)] for m in methods for p in PHASES}
+            for r in range(repeats):
+                phases = PHASES if r == 0 else PHASES[1:]
+                for i, prompt in enumerate(prompts):
+                    turn = (r * len(prompts) + i) % len(methods)
+                    for method in [*methods[turn:], *methods[:turn]]:
+                        done += 1
+                        label = f"{method.name}, {workload}, t={temp}, repeat {r + 1}/{repeats}"
+                        on_run(done, total, label)
+                        for phase in phases:
+                            passes[method, phase][r] += run(method, prompt, temp, i, max_tokens)
+            for (method, phase), timed_passes in passes.items():
+                kept = timed_passes if phase == "steady" else timed_passes[:1]
+                timed = sum(kept, Timed())
                 labels = {k: v for k, v in asdict(method).items() if k != "generate"}
                 rows.append(
                     {"workload": workload, "temp": temp, **labels, "phase": phase}
@@ -241,16 +274,31 @@ def measure(
                         "tokens_per_second": timed.tokens_per_second,
                         "tokens_per_round": timed.stats.tokens_per_round,
                         "acceptance_rate": timed.stats.acceptance_rate,
+                        "repeats": len(kept),
+                        "tokens_per_second_by_repeat": [t.tokens_per_second for t in kept],
                     }
                 )
                 on_row(rows[-1])
     return rows
 
 
-def _fastest(peers: Sequence[dict[str, Any]], **match: Any) -> float | None:
-    """The most tokens/s among the ``peers`` whose fields equal ``match`` (``None``: no peer)."""
-    speeds = [p["tokens_per_second"] for p in peers if all(p[k] == v for k, v in match.items())]
-    return max(speeds, default=None)
+def _by_repeat(row: dict[str, Any]) -> list[float]:
+    """A row's tokens/s in each pass over the prompts (its total's alone in results measured
+    before passes were kept)."""
+    return row.get("tokens_per_second_by_repeat") or [row["tokens_per_second"]]
+
+
+def _speed(row: dict[str, Any]) -> float:
+    """The median of a row's tokens/s over its passes."""
+    return statistics.median(_by_repeat(row))
+
+
+def _fastest(peers: Sequence[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
+    """The peer of the most median tokens/s among those whose fields equal ``match`` (``None``:
+    no peer)."""
+    return max(
+        (p for p in peers if all(p[k] == v for k, v in match.items())), key=_speed, default=None
+    )
 
 
 def _group(row: dict[str, Any]) -> tuple:
@@ -262,12 +310,14 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """One line per workload, temperature and method, from the rows of :func:`measure`.
 
     Returns:
-        list of dict: the steady-state row, with ``first_tokens_per_second``,
-        ``first_over_steady`` (the first run's seconds over the second's) and the ratios of its
-        steady tokens/s: ``x_plain`` (to plain decoding of the same target), ``x_mlx_lm`` (a
-        draft model at a fixed ``N``: to mlx-lm's loop at that ``N``) and ``x_best_fixed``
-        (adaptive: to the fastest fixed ``N`` of the same drafter); ``None`` where there is no
-        such method.
+        list of dict: the steady-state row, with ``tokens_per_second_median``, ``_min`` and
+        ``_max`` (over its passes), ``first_tokens_per_second``, ``first_over_steady`` (the first
+        run's seconds over a steady pass's mean) and the ratios of its median tokens/s:
+        ``x_plain`` (to plain decoding of the same target: the median of the ratios pass by
+        pass, as the passes interleaved them, with their ``x_plain_min`` and ``x_plain_max``),
+        ``x_mlx_lm`` (a draft model at a fixed ``N``: to mlx-lm's loop at that ``N``) and
+        ``x_best_fixed`` (adaptive: to the fastest fixed ``N`` of the same drafter); ``None``
+        where there is no such method. Rows of a single pass give the ratios of their totals.
     """
     steady = [r for r in rows if r["phase"] == "steady"]
     first = {(*_group(r), r["name"]): r for r in rows if r["phase"] == "first"}
@@ -275,43 +325,287 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in steady:
         f = first[(*_group(r), r["name"])]
         peers = [p for p in steady if _group(p) == _group(r)]
+        speeds = _by_repeat(r)
         fixed_draft = r["drafter"] == "draft" and not r["adaptive"]
+        plain = _fastest(peers, drafter="plain")
         bases = {
-            "x_plain": _fastest(peers, drafter="plain"),
             "x_mlx_lm": _fastest(peers, drafter="mlx-lm", n=r["n"]) if fixed_draft else None,
             "x_best_fixed": _fastest(peers, drafter=r["drafter"], adaptive=False)
             if r["adaptive"]
             else None,
         }
+        x_plain = [a / b for a, b in zip(speeds, _by_repeat(plain), strict=True)] if plain else None
         lines.append(
             {
                 **r,
+                "tokens_per_second_median": statistics.median(speeds),
+                "tokens_per_second_min": min(speeds),
+                "tokens_per_second_max": max(speeds),
                 "first_tokens_per_second": f["tokens_per_second"],
-                "first_over_steady": f["seconds"] / r["seconds"],
-                **{k: r["tokens_per_second"] / v if v else None for k, v in bases.items()},
+                "first_over_steady": f["seconds"] / (r["seconds"] / r.get("repeats", 1)),
+                "x_plain": statistics.median(x_plain) if x_plain else None,
+                "x_plain_min": min(x_plain) if x_plain else None,
+                "x_plain_max": max(x_plain) if x_plain else None,
+                **{k: _speed(r) / _speed(v) if v else None for k, v in bases.items()},
             }
         )
     return lines
 
 
+def _spread(line: dict[str, Any], key: str, form: str, unit: str = "") -> str:
+    """``line[key]`` (a median over passes) in ``form``; where the line has several passes, then
+    the range over them (``line[f"{base}_min"]`` to ``_max``, ``base`` being ``key`` less any
+    ``_median``): ``1.42x (1.31x-1.50x)``."""
+    text = f"{line[key]:{form}}{unit}"
+    if line.get("repeats", 1) == 1:
+        return text
+    base = key.removesuffix("_median")
+    low, high = line[f"{base}_min"], line[f"{base}_max"]
+    return f"{text} ({low:{form}}{unit}-{high:{form}}{unit})"
+
+
 def table(lines: Sequence[dict[str, Any]]) -> str:
-    """Lines of :func:`summarize` as a Markdown table."""
+    """Lines of :func:`summarize` as a Markdown table; where they have several passes, tok/s and
+    x plain are the median over them and, in brackets, the range (min-max)."""
     out = [
         "| workload | temp | method | tok/s | first-use time / steady | tok/round | acceptance "
         "| replayed | x plain | x mlx-lm | x best fixed N |",
         "|---" * 11 + "|",
     ]
     for s in lines:
-        ratios = [s[k] for k in ("x_plain", "x_mlx_lm", "x_best_fixed")]
+        ratios = [s[k] for k in ("x_mlx_lm", "x_best_fixed")]
+        x_plain = "-" if s["x_plain"] is None else _spread(s, "x_plain", ".2f", "x")
         out.append(
-            f"| {s['workload']} | {s['temp']:.1f} | {s['name']} | {s['tokens_per_second']:.1f} | "
+            f"| {s['workload']} | {s['temp']:.1f} | {s['name']} | "
+            f"{_spread(s, 'tokens_per_second_median', '.1f')} | "
             f"{s['first_over_steady']:.2f}x | {s['tokens_per_round']:.2f} | "
             + (f"{s['acceptance_rate']:.1%}" if s["drafted"] else "-")
-            + f" | {s['replayed']} | "
+            + f" | {s['replayed']} | {x_plain} | "
             + " | ".join("-" if x is None else f"{x:.2f}x" for x in ratios)
             + " |"
         )
     return "\n".join(out)
+
+
+DRAFTERS = {
+    "plain": "plain decoding",
+    "mlx-lm": "mlx-lm",
+    "draft": "draft model",
+    "lookup": "prompt lookup",
+}
+"""How :func:`verdicts` and :func:`plot` name each ``Method.drafter``."""
+
+
+def _cases(lines: Sequence[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    """The lines grouped by workload, temperature and target, in their order."""
+    cases: dict[tuple, list[dict[str, Any]]] = {}
+    for line in lines:
+        cases.setdefault(_group(line), []).append(line)
+    return cases
+
+
+def _plain(case: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The case's plain decoding, when it was measured over several passes."""
+    plain = _fastest(case, drafter="plain")
+    return plain if plain is not None and plain.get("repeats", 1) > 1 else None
+
+
+def _plain_spread(plain: dict[str, Any]) -> float:
+    """Plain decoding's ``(max - min) / median`` tokens/s over its passes."""
+    return (plain["tokens_per_second_max"] - plain["tokens_per_second_min"]) / plain[
+        "tokens_per_second_median"
+    ]
+
+
+def noise(lines: Sequence[dict[str, Any]]) -> str | None:
+    """One line on whether the machine held still enough for :func:`verdicts`.
+
+    The rule: a case (a workload and temperature of one target) is too noisy for a verdict when
+    plain decoding's steady tokens/s spread over the passes by more than :data:`NOISE` of their
+    median, ``(max - min) / median > NOISE``. Methods ran interleaved, so the load that moved
+    plain decoding moved them too.
+
+    Args:
+        lines (list of dict): lines of :func:`summarize`.
+
+    Returns:
+        str or None: the line; ``None`` where plain decoding did not run several passes.
+    """
+    spreads = [_plain_spread(p) for case in _cases(lines).values() if (p := _plain(case))]
+    if not spreads:
+        return None
+    repeats = max(line.get("repeats", 1) for line in lines)
+    worst, noisy = max(spreads), sum(x > NOISE for x in spreads)
+    if noisy:
+        return (
+            f"Too noisy for a verdict in {noisy} of {len(spreads)} cases: plain decoding's "
+            f"tokens/s spread by up to {worst:.0%} of its median over {repeats} repeats (a "
+            f"verdict needs at most {NOISE:.0%}); close other programs, or run again."
+        )
+    return (
+        f"Quiet enough for a verdict: plain decoding's tokens/s spread by at most {worst:.0%} "
+        f"of its median over {repeats} repeats (a verdict needs at most {NOISE:.0%})."
+    )
+
+
+def _judge(line: dict[str, Any], plain: dict[str, Any]) -> tuple[str, str]:
+    """What a line's ratios to plain decoding say, by the rules of :func:`verdicts`: the
+    answer's kind and its words."""
+    x, low, high = line["x_plain"], line["x_plain_min"], line["x_plain_max"]
+    spread = f"({low:.2f}x-{high:.2f}x)"
+    if _plain_spread(plain) > NOISE or (low <= 1 <= high and high - low > 2 * NOISE * x):
+        kind, said = "too noisy to tell", "too noisy to tell"
+    elif low > 1:
+        kind, said = "faster", f"{x:.2f}x {spread}"
+    elif high < 1:
+        kind, said = "slower", f"slower at {x:.2f}x {spread}"
+    else:
+        kind, said = "no faster", f"no faster {spread}"
+    return kind, said if line["drafted"] else f"{said}, drafted nothing"
+
+
+def verdicts(lines: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per drafter: how it ran against plain decoding, case by case.
+
+    A drafter's adaptive method speaks for it, or each of its methods where none adapts;
+    mlx-lm's loop is left to the table. In each case (workload, temperature, target), from the
+    ratios of its tokens/s to plain decoding's, pass by pass:
+
+    - ``too noisy to tell``: the case is too noisy (:func:`noise`), or the ratios straddle 1
+      over a range wider than ``2 * NOISE`` of their median;
+    - ``1.42x (1.31x-1.50x)``: every pass ran faster than plain decoding (the median ratio, then
+      the range);
+    - ``slower at 0.85x (0.80x-0.90x)``: every pass ran slower;
+    - ``no faster (0.97x-1.03x)``: the ratios straddle 1 within the noise.
+
+    ``, drafted nothing`` follows where the method proposed no token (its rounds were plain
+    steps, so whatever it gained is the loop's). A drafter for which every case says ``no
+    faster`` or every case ``too noisy to tell`` gets it once.
+
+    Args:
+        lines (list of dict): lines of :func:`summarize`.
+
+    Returns:
+        list of str: ``prompt lookup, adaptive: input-grounded t=0.0 1.62x (1.55x-1.70x), t=0.8
+        1.21x (1.10x-1.30x); open t=0.0 no faster (0.98x-1.01x), ...``; empty where plain
+        decoding did not run several passes.
+    """
+    cases = {key: plain for key, case in _cases(lines).items() if (plain := _plain(case))}
+    speaking = {}
+    for line in lines:
+        if line["drafter"] in ("plain", "mlx-lm") or _group(line) not in cases:
+            continue
+        adapts = any(m["adaptive"] and m["drafter"] == line["drafter"] for m in lines)
+        if line["adaptive"] or not adapts:
+            speaking.setdefault(line["name"], []).append(line)
+    models = len({line["model"] for line in lines}) > 1
+    out = []
+    for measured in speaking.values():
+        first = measured[0]
+        kinds, said = set(), {}
+        for line in measured:
+            kind, words = _judge(line, cases[_group(line)])
+            kinds.add(kind)
+            where = f"{line['model']} {line['workload']}" if models else line["workload"]
+            said.setdefault(where, []).append(f"t={line['temp']:.1f} {words}")
+        length = "adaptive" if first["adaptive"] else f"N={first['n']}"
+        label = f"{DRAFTERS.get(first['drafter'], first['drafter'])}, {length}"
+        if kinds == {"too noisy to tell"}:
+            out.append(f"{label}: too noisy to tell")
+        elif kinds == {"no faster"}:
+            out.append(f"{label}: no faster than plain decoding here")
+        else:
+            out.append(f"{label}: " + "; ".join(f"{w} {', '.join(p)}" for w, p in said.items()))
+    return out
+
+
+def report(lines: Sequence[dict[str, Any]]) -> str:
+    """What a measurement of several passes says: the :func:`noise` line, then the
+    :func:`verdicts`, one a line; empty where plain decoding ran a single pass."""
+    said = noise(lines)
+    if said is None:
+        return ""
+    head = "Against plain decoding (x plain: the median, and the range over the repeats):"
+    return "\n".join([said, head, *(f"- {verdict}" for verdict in verdicts(lines))])
+
+
+COLORS = {"plain": "0.35", "mlx-lm": "tab:orange", "draft": "tab:blue", "lookup": "tab:green"}
+
+
+def plot(lines: Sequence[dict[str, Any]], path: Path, title: str) -> None:
+    """Draws tokens/s against tokens per round, one panel per case, into a PNG.
+
+    Each method is a point at its tokens per round (x) and median tokens/s (y), with a bar over
+    the range of its passes, coloured by drafter and labelled with its draft length; plain
+    decoding's median is a dashed line across the panel, and its range a band. A row of panels
+    per workload (and target), a column per temperature. Drawn with matplotlib's Agg canvas: no
+    window, no global backend.
+
+    Args:
+        lines (list of dict): lines of :func:`summarize`.
+        path (Path): the PNG to write.
+        title (str): the figure's title.
+
+    Raises:
+        ModuleNotFoundError: matplotlib is not installed.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    cases = _cases(lines)
+    temps = sorted({temp for _, temp, _ in cases})
+    rows = list(dict.fromkeys((model, workload) for workload, _, model in cases))
+    figure = Figure(figsize=(5.2 * len(temps), 3.8 * len(rows) + 0.9), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(len(rows), len(temps), squeeze=False)
+    for (workload, temp, model), case in cases.items():
+        ax = axes[rows.index((model, workload)), temps.index(temp)]
+        for line in case:
+            y = line["tokens_per_second_median"]
+            low, high = line["tokens_per_second_min"], line["tokens_per_second_max"]
+            color = COLORS.get(line["drafter"], "tab:purple")
+            if line["drafter"] == "plain":
+                ax.axhline(y, color=color, linestyle="--", linewidth=1)
+                ax.axhspan(low, high, color=color, alpha=0.12, linewidth=0)
+            marker = "*" if line["adaptive"] else "s" if line["drafter"] == "plain" else "o"
+            ax.errorbar(
+                line["tokens_per_round"],
+                y,
+                yerr=[[y - low], [high - y]],
+                color=color,
+                marker=marker,
+                markersize=11 if line["adaptive"] else 6,
+                capsize=3,
+            )
+            length = "" if line["drafter"] == "plain" else line["name"].rsplit(" ", 1)[-1]
+            # mlx-lm's loop and the draft model at the same N keep the same drafts at
+            # temperature 0: their labels go below and above the point.
+            below = line["drafter"] == "mlx-lm"
+            at, offset = (line["tokens_per_round"], y), (6, -10 if below else 4)
+            ax.annotate(length, at, xytext=offset, textcoords="offset points", fontsize=7)
+        ax.set_title(f"{model + ' ' if model else ''}{workload}, temperature {temp}", fontsize=10)
+        ax.set_xlabel("tokens per round (per target call)")
+        ax.set_ylabel("tokens/s (median, bar: range)")
+        ax.grid(alpha=0.3)
+        ax.set_xlim(left=min(0.9, ax.get_xlim()[0]))
+    kinds = dict.fromkeys(line["drafter"] for line in lines)
+    handles = [
+        Line2D(
+            [],
+            [],
+            color=COLORS.get(k, "tab:purple"),
+            marker="s" if k == "plain" else "o",
+            linestyle="--" if k == "plain" else "",
+            label=DRAFTERS.get(k, k),
+        )
+        for k in kinds
+    ]
+    star = {"marker": "*", "markersize": 11, "linestyle": ""}
+    handles.append(Line2D([], [], color="0.5", label="adaptive draft length", **star))
+    figure.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8)
+    figure.suptitle(title, fontsize=11)
+    figure.savefig(path, dpi=110)
 
 
 def load_demo_pair() -> tuple[nn.Module, nn.Module, Any]:
