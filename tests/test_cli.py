@@ -1,13 +1,19 @@
-"""The ``mlx-spec`` command, driven as a user drives it: ``python -m mlx_spec ...`` in a subprocess.
+"""The ``mlx-spec`` command, driven as a user drives it.
 
 Each subcommand runs on the shipped demo pair (no download) and its output is checked for what
 it claims: the counts agree with each other, greedy speculation prints the target's own greedy
-text, a seed reproduces a run, the benchmark's JSON and table agree. Each error is one
-line on stderr with exit status 2 and no traceback. No timing is asserted.
+text, a seed reproduces a run, the benchmark's JSON and table agree, the spread and the verdicts
+follow from the runs. Each error is one line on stderr with exit status 2 and no traceback. No
+timing is asserted.
+
+Commands run in this process through ``mlx_spec.cli.main``, as the console script calls it, and
+each once in a subprocess as ``python -m mlx_spec`` (a smoke test of the installed command);
+what only a process shows (what ``--help`` imports, a closed pipe, Ctrl-C) runs in subprocesses.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -18,23 +24,33 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from helpers import assert_generation_table, assert_ratio, markdown_table
+from helpers import (
+    assert_ratio,
+    assert_spread_cells,
+    assert_spread_table,
+    bench_rows,
+    markdown_table,
+    spread_cell,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten
 
 import mlx_spec
+from mlx_spec import cli
 
 DEMO = Path(mlx_spec.__file__).resolve().parent / "demo"
 TARGET, DRAFT = str(DEMO / "target"), str(DEMO / "draft")
 
 
 def mlx_spec_cmd(*args: str, env: dict | None = None, timeout: float = 300):
-    """Runs ``python -m mlx_spec *args``; returns the completed process (text output)."""
+    """Runs ``python -m mlx_spec *args`` in a subprocess; returns the completed process (text
+    output)."""
     return subprocess.run(
         [sys.executable, "-m", "mlx_spec", *args],
         capture_output=True,
@@ -42,6 +58,47 @@ def mlx_spec_cmd(*args: str, env: dict | None = None, timeout: float = 300):
         timeout=timeout,
         env=env,
     )
+
+
+@dataclass
+class Ran:
+    """What a command run in this process returned and printed, named as in
+    ``subprocess.CompletedProcess``."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def mlx_spec_main(*args: str) -> Ran:
+    """Runs ``mlx-spec *args`` in this process as the console script does, ``sys.exit(main())``:
+    a usage error or ``--help`` ends in ``SystemExit``, whose code is the status. The environment
+    is restored after it (the commands set MLX's attention switch)."""
+    out, err = io.StringIO(), io.StringIO()
+    environment = dict(os.environ)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                status = cli.main(list(args))
+            except SystemExit as exit:
+                status = 0 if exit.code is None else exit.code
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+    return Ran(status, out.getvalue(), err.getvalue())
+
+
+@contextlib.contextmanager
+def offline(folder: Path):
+    """The Hugging Face hub offline, its cache in ``folder``: a model name that mlx-lm resolves
+    (``org/model``) is looked up there and not fetched. What ``HF_HUB_OFFLINE=1`` and
+    ``HF_HOME`` give a new process; huggingface_hub read those when it was imported."""
+    from huggingface_hub import constants
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(constants, "HF_HUB_OFFLINE", True)
+        patch.setattr(constants, "HF_HUB_CACHE", str(folder / "hub"))
+        yield
 
 
 def assert_one_line_error(proc, *fragments: str) -> str:
@@ -55,16 +112,9 @@ def assert_one_line_error(proc, *fragments: str) -> str:
     return lines[0]
 
 
-def generate(
-    *extra: str,
-    model: str = TARGET,
-    draft: str = DRAFT,
-    prompt: str = "def f(x):",
-    env: dict | None = None,
-):
-    return mlx_spec_cmd(
-        "generate", "--model", model, "--draft-model", draft, "--prompt", prompt, *extra, env=env
-    )
+def generate(*extra: str, model: str = TARGET, draft: str = DRAFT, prompt: str = "def f(x):"):
+    pair = ("--model", model, "--draft-model", draft)
+    return mlx_spec_main("generate", *pair, "--prompt", prompt, *extra)
 
 
 SPECULATION = re.compile(
@@ -83,7 +133,7 @@ def generated_text(stdout: str) -> str:
 
 
 def test_help_lists_the_subcommands():
-    proc = mlx_spec_cmd("--help")
+    proc = mlx_spec_main("--help")
     assert proc.returncode == 0
     for command in ("demo", "generate", "bench"):
         assert command in proc.stdout
@@ -108,7 +158,7 @@ def test_help_lists_the_subcommands():
     ],
 )
 def test_help_of_each_subcommand_names_its_options(command, options):
-    proc = mlx_spec_cmd(command, "--help")
+    proc = mlx_spec_main(command, "--help")
     assert proc.returncode == 0
     assert proc.stdout.startswith(f"usage: mlx-spec {command}")
     text = " ".join(proc.stdout.split())  # argparse wraps lines
@@ -141,7 +191,7 @@ def test_help_and_early_errors_do_not_import_mlx_lm(args):
 
 
 def test_no_subcommand_is_a_one_line_error():
-    assert_one_line_error(mlx_spec_cmd(), "mlx-spec: error:", "COMMAND", "--help")
+    assert_one_line_error(mlx_spec_main(), "mlx-spec: error:", "COMMAND", "--help")
 
 
 # -- generate ----------------------------------------------------------------------------------
@@ -154,7 +204,11 @@ def assert_drafted(drafted: int, n: int, rounds: int, generations: int = 1) -> N
 
 
 def test_generate_streams_text_and_consistent_counts():
-    proc = generate(
+    """Also the smoke test of the installed command: ``python -m mlx_spec generate``."""
+    pair = ("--model", TARGET, "--draft-model", DRAFT, "--prompt", "def f(x):")
+    proc = mlx_spec_cmd(
+        "generate",
+        *pair,
         "--temp",
         "0.8",
         "--top-p",
@@ -211,7 +265,9 @@ def test_greedy_generate_prints_the_targets_greedy_text():
 
 
 def lookup(*extra: str, model: str = TARGET, prompt: str = "def f(x):"):
-    return mlx_spec_cmd("generate", "--model", model, "--prompt-lookup", "--prompt", prompt, *extra)
+    return mlx_spec_main(
+        "generate", "--model", model, "--prompt-lookup", "--prompt", prompt, *extra
+    )
 
 
 def test_prompt_lookup_needs_no_draft_model_and_is_lossless():
@@ -245,7 +301,7 @@ def test_a_hybrid_model_speculates_through_the_command(hybrid_folder, drafts):
 
     extra = ["--prompt-lookup"] if drafts == "--prompt-lookup" else ["--draft-model", hybrid_folder]
     prompt = "def f(x):\n    return x\n\ndef f(x):\n"
-    proc = mlx_spec_cmd(
+    proc = mlx_spec_main(
         "generate", "--model", hybrid_folder, "--prompt", prompt, *extra,
         "--temp", "0", "--max-tokens", "30", "--fixed", "-n", "3",
     )  # fmt: skip
@@ -276,7 +332,7 @@ def test_kv_bits_reaches_the_loop(tmp_path):
 
     folder = tmp_path / "gemma3"
     save_model_folder(tiny_gemma3(0, vocab=4096), folder, tokenizer_from=Path(TARGET))
-    proc = mlx_spec_cmd(
+    proc = mlx_spec_main(
         "generate", "--model", str(folder), "--prompt-lookup", "--prompt", "x", "--kv-bits", "4"
     )
     assert_one_line_error(proc, "`kv_bits` cannot quantize a RotatingKVCache")
@@ -285,17 +341,17 @@ def test_kv_bits_reaches_the_loop(tmp_path):
 @pytest.mark.parametrize("bits", ["0", "1", "7", "9", "4.0"])
 def test_kv_bits_takes_only_the_widths_mlx_lm_quantizes_to(bits):
     # Refused by the parser, before any model is loaded: the model folder does not exist.
-    proc = mlx_spec_cmd("generate", "--model", "nowhere", "--prompt-lookup", "--prompt", "x",
+    proc = mlx_spec_main("generate", "--model", "nowhere", "--prompt-lookup", "--prompt", "x",
                         "--kv-bits", bits)  # fmt: skip
     assert_one_line_error(proc, "argument --kv-bits:", f"got '{bits}'")
 
 
 def test_draft_model_and_prompt_lookup_exclude_each_other():
-    both = mlx_spec_cmd(
+    both = mlx_spec_main(
         "generate", "--model", TARGET, "--draft-model", DRAFT, "--prompt-lookup", "--prompt", "x"
     )
     assert_one_line_error(both, "not allowed with argument")
-    neither = mlx_spec_cmd("generate", "--model", TARGET, "--prompt", "x")
+    neither = mlx_spec_main("generate", "--model", TARGET, "--prompt", "x")
     assert_one_line_error(neither, "one of the arguments --draft-model --prompt-lookup")
 
 
@@ -328,12 +384,8 @@ def test_model_folder_of_an_unknown_user():
 
 
 def test_a_name_mlx_lm_cannot_resolve_offline(tmp_path):
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "HF_HOME": str(tmp_path / "hf"),
-    }
-    proc = generate(env=env, draft="no-such-org/no-such-model")
+    with offline(tmp_path):
+        proc = generate(draft="no-such-org/no-such-model")
     assert_one_line_error(proc, "could not load the draft model", "no-such-org/no-such-model")
 
 
@@ -460,7 +512,7 @@ def test_generate_takes_the_bounds_of_its_options(args):
 
 
 def test_generate_needs_its_models():
-    proc = mlx_spec_cmd("generate", "--prompt", "hi")
+    proc = mlx_spec_main("generate", "--prompt", "hi")
     assert_one_line_error(proc, "required", "--model")
 
 
@@ -481,7 +533,7 @@ def test_generate_needs_its_models():
     ],
 )
 def test_bad_demo_and_bench_options(args, fragments):
-    assert_one_line_error(mlx_spec_cmd(*args), *fragments)
+    assert_one_line_error(mlx_spec_main(*args), *fragments)
 
 
 def can_write_in(folder: Path) -> bool:
@@ -508,11 +560,11 @@ def unwritable_folder(tmp_path) -> Path:
 def test_bench_out_is_a_file(tmp_path):
     file = tmp_path / "results"
     file.write_text("")
-    assert_one_line_error(mlx_spec_cmd("bench", "--out", str(file)), "is a file", "folder")
+    assert_one_line_error(mlx_spec_main("bench", "--out", str(file)), "is a file", "folder")
 
 
 def test_bench_out_that_cannot_be_written_fails_before_measuring(unwritable_folder):
-    proc = mlx_spec_cmd("bench", "--quick", "--out", str(unwritable_folder), timeout=60)
+    proc = mlx_spec_main("bench", "--quick", "--out", str(unwritable_folder))
     assert_one_line_error(proc, "cannot write in --out", str(unwritable_folder))
 
 
@@ -521,45 +573,19 @@ def test_bench_out_that_cannot_be_created(parent, unwritable_folder, tmp_path):
     if parent == "file":
         (tmp_path / "file").write_text("")
     under = unwritable_folder if parent == "unwritable" else tmp_path / "file"
-    proc = mlx_spec_cmd("bench", "--quick", "--out", str(under / "out"), timeout=60)
+    proc = mlx_spec_main("bench", "--quick", "--out", str(under / "out"))
     assert_one_line_error(proc, "cannot create --out", str(under / "out"))
 
 
 def test_bench_out_whose_name_is_too_long(tmp_path):
     out = str(tmp_path / ("o" * 5000))
-    assert_one_line_error(mlx_spec_cmd("bench", "--out", out), "cannot create --out", "...")
+    assert_one_line_error(mlx_spec_main("bench", "--out", out), "cannot create --out", "...")
 
 
 def test_bench_results_json_that_cannot_be_written_fails_before_measuring(tmp_path):
     (tmp_path / "results.json").mkdir()
-    proc = mlx_spec_cmd("bench", "--quick", "--out", str(tmp_path), timeout=120)
+    proc = mlx_spec_main("bench", "--quick", "--out", str(tmp_path))
     assert_one_line_error(proc, str(tmp_path / "results.json"))
-
-
-def test_interrupted_bench_keeps_what_it_measured(tmp_path):
-    """results.json is rewritten after each measured row: Ctrl-C loses none of them."""
-    results = tmp_path / "results.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlx_spec", "bench", "--quick", "--out", str(tmp_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 240
-        while not (results.exists() and json.loads(results.read_text())["generation"]):
-            assert proc.poll() is None and time.monotonic() < deadline, "no row was written"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, stderr
-    assert "Traceback" not in stderr
-    kept = json.loads(results.read_text())
-    assert kept["settings"]["quick"] is True
-    first = kept["generation"][0]
-    assert first["workload"] == "input-grounded" and first["tokens_per_second"] > 0
 
 
 def test_a_message_of_several_lines_is_printed_as_one(capsys):
@@ -682,29 +708,30 @@ def check_greedy_streams_are_the_targets_greedy_text(stdout: str, texts: dict, m
             assert texts[workload, "0.0", drafter] == expected, (workload, drafter)
 
 
-def check_demo_table(stdout: str, n: int, fixed: bool, lm_n: int) -> None:
+def check_demo_table(stdout: str, n: int, fixed: bool, lm_n: int) -> list[dict[str, str]]:
     """A line per prompt, temperature and method: plain decoding, mlx-lm's loop at ``lm_n`` and
-    mlx-spec with each drafter at ``n``, fixed or adaptive; ratios that divide the tok/s."""
+    mlx-spec with each drafter at ``n``, fixed or adaptive; tok/s and x plain as the median and
+    range of the runs, ratios that divide the printed tok/s."""
     length = f"N={n}" if fixed else "adaptive"
     methods = ["plain", f"mlx-lm N={lm_n}", f"draft {length}", f"lookup {length}"]
     table = markdown_table(stdout, "workload")
     assert [(r["workload"], r["temp"], r["method"]) for r in table] == [
         (w, t, m) for w in WORKLOADS for t in TEMPS for m in methods
     ]
+    assert_spread_cells(table)
     for line in table:
         group = {
             r["method"]: r
             for r in table
             if (r["workload"], r["temp"]) == (line["workload"], line["temp"])
         }
-        speed = float(line["tok/s"])
-        assert_ratio(line["x plain"], speed, float(group["plain"]["tok/s"]))
+        speed = spread_cell(line["tok/s"])[0]
         assert line["x best fixed N"] == "-"
         if line["method"] == "plain":
             assert (line["tok/round"], line["acceptance"], line["x plain"]) == (
                 "1.00",
                 "-",
-                "1.00x",
+                "1.00x (1.00x-1.00x)",
             )
             continue
         most = lm_n if line["method"].startswith("mlx-lm") else n
@@ -714,12 +741,67 @@ def check_demo_table(stdout: str, n: int, fixed: bool, lm_n: int) -> None:
         else:
             assert 0.0 <= float(line["acceptance"].rstrip("%")) <= 100.0
         if fixed and line["method"] == f"draft N={n}":
-            assert_ratio(line["x mlx-lm"], speed, float(group[f"mlx-lm N={n}"]["tok/s"]))
+            theirs = spread_cell(group[f"mlx-lm N={n}"]["tok/s"])[0]
+            assert_ratio(line["x mlx-lm"], speed, theirs)
             if line["temp"] == "0.0":
                 # Both loops are greedy acceptance: the same drafts kept, the same rounds.
                 assert line["tok/round"] == group[f"mlx-lm N={n}"]["tok/round"]
         else:
             assert line["x mlx-lm"] == "-"
+    return table
+
+
+NOISE_LINE = re.compile(
+    r"^(Quiet enough for a verdict: plain decoding's tokens/s spread by at most \d+%|Too noisy for "
+    r"a verdict in (\d) of 4 cases: plain decoding's tokens/s spread by up to \d+%) of its median "
+    r"over (\d+) repeats \(a verdict needs at most 10%\)",
+    re.M,
+)
+VERDICT = re.compile(r"^- (draft model|prompt lookup), (adaptive|N=\d+): (.*)$", re.M)
+CASE = re.compile(
+    r"(?:(input-grounded|open) )?t=(0\.0|0\.8) (too noisy to tell|slower at [\d.]+x \(([\d.]+)x-"
+    r"([\d.]+)x\)|no faster \(([\d.]+)x-([\d.]+)x\)|([\d.]+)x \(([\d.]+)x-([\d.]+)x\))"
+)
+
+
+def check_verdicts(stdout: str, table: list[dict[str, str]], length: str, repeats: int) -> None:
+    """One line on the noise, then a verdict per drafter whose cases agree with the table's x
+    plain: faster where every run was, slower where every run was, no faster where the range
+    holds 1, too noisy where the noise line says so."""
+    (noise,) = NOISE_LINE.findall(stdout)
+    assert int(noise[2]) == repeats
+    noisy = int(noise[1] or 0)
+    verdicts = VERDICT.findall(stdout)
+    assert [(d, length_) for d, length_, _ in verdicts] == [
+        ("draft model", length),
+        ("prompt lookup", length),
+    ]
+    x_plain = {(r["workload"], r["temp"], r["method"]): r["x plain"] for r in table}
+    for drafter, _, said in verdicts:
+        method = f"{'draft' if drafter == 'draft model' else 'lookup'} {length}"
+        if said == "too noisy to tell":
+            continue
+        if said == "no faster than plain decoding here":
+            for (_, _, name), cell in x_plain.items():
+                if name == method:
+                    low, high = spread_cell(cell)[1:]
+                    assert low <= 1.0 <= high, (method, cell)
+            continue
+        workload = None
+        cases = CASE.findall(said)
+        assert len(cases) == 4, said
+        for case in cases:
+            workload = case[0] or workload
+            median, low, high = spread_cell(x_plain[workload, case[1], method])
+            words = case[2]
+            if words == "too noisy to tell":
+                assert noisy or low <= 1.0 <= high, (said, median, low, high)
+            elif words.startswith("slower"):
+                assert high < 1.0 and words == f"slower at {x_plain[workload, case[1], method]}"
+            elif words.startswith("no faster"):
+                assert low <= 1.0 <= high
+            else:
+                assert low > 1.0 and words == x_plain[workload, case[1], method]
 
 
 def shipped_model_facts(role: str) -> str:
@@ -732,12 +814,42 @@ def shipped_model_facts(role: str) -> str:
     )
 
 
-def test_demo_streams_both_drafters_on_both_prompts_then_the_table():
-    proc = mlx_spec_cmd("demo", "--max-tokens", "12", "-n", "2", "--color", "always")
+def demo(monkeypatch, *args: str, repeats: int = 2) -> tuple[Ran, list[dict]]:
+    """``mlx-spec demo *args`` in this process, measuring ``repeats`` runs a method and prompt
+    (the command's :data:`REPEATS` is the user's; fewer keep the suite short); returns what it
+    printed and the rows it measured."""
+    from mlx_spec import bench
+    from mlx_spec.cli import demo as command
+
+    measured = []
+
+    def measure(*a, **k):
+        measured.extend(bench_measure(*a, **k))
+        return measured
+
+    bench_measure = bench.measure
+    monkeypatch.setattr(command, "REPEATS", repeats)
+    monkeypatch.setattr(bench, "measure", measure)
+    return mlx_spec_main("demo", *args), measured
+
+
+def check_progress(stderr: str, total: int) -> None:
+    """A line per method and prompt of each run (stderr is not a terminal), counted to the
+    total, then ``done``."""
+    steps = re.findall(r"^\[[#.]{20}\] (\d+)/(\d+) (\S+(?: N=\d+| adaptive)?), ", stderr, re.M)
+    assert [(int(k), int(t)) for k, t, _ in steps] == [(k, total) for k in range(1, total + 1)]
+    assert stderr.rstrip().endswith("] done"), stderr[-200:]
+
+
+def test_demo_streams_both_drafters_on_both_prompts_then_the_table(monkeypatch):
+    proc, rows = demo(monkeypatch, "--max-tokens", "12", "-n", "2", "--color", "always")
     assert proc.returncode == 0, proc.stderr
     texts = check_demo_streams(proc.stdout, 2, False, 12)
     check_greedy_streams_are_the_targets_greedy_text(proc.stdout, texts, 12)
-    check_demo_table(proc.stdout, 2, False, min(2, mlx_lm_command_default_n()))
+    table = check_demo_table(proc.stdout, 2, False, min(2, mlx_lm_command_default_n()))
+    assert_spread_table(proc.stdout, rows)
+    check_verdicts(proc.stdout, table, "adaptive", 2)
+    check_progress(proc.stderr, 2 * 2 * 4 * 2)  # workloads, temperatures, methods, repeats
     assert "\x1b[32m" in proc.stdout and "shown in green" in proc.stdout
     first = proc.stdout.splitlines()[0]
     assert f"{shipped_model_facts('target')} and {shipped_model_facts('draft')}" in first
@@ -745,20 +857,28 @@ def test_demo_streams_both_drafters_on_both_prompts_then_the_table():
     assert f"{config['dtype']}, sharing one {config['vocab_size']}-token tokenizer" in first
 
 
-def test_demo_fixed_drafts_n_every_round_and_compares_mlx_lm_at_n():
+def test_demo_fixed_drafts_n_every_round_and_compares_mlx_lm_at_n(monkeypatch):
     args = ("--max-tokens", "10", "-n", "3", "--fixed", "--color", "never")
-    proc = mlx_spec_cmd("demo", *args, "--seed", str(2**64 - 1))
+    proc, rows = demo(monkeypatch, *args, "--seed", str(2**64 - 1))
     assert proc.returncode == 0, proc.stderr
     check_demo_streams(proc.stdout, 3, True, 10)
-    check_demo_table(proc.stdout, 3, True, 3)
+    table = check_demo_table(proc.stdout, 3, True, 3)
+    assert_spread_table(proc.stdout, rows)
+    check_verdicts(proc.stdout, table, "N=3", 2)
     assert "\x1b[" not in proc.stdout and "shown in [brackets]" in proc.stdout
 
 
 def test_demo_by_default_adapts_up_to_8_and_runs_mlx_lm_at_its_commands_n():
+    """Also the smoke test of the installed command: ``python -m mlx_spec demo``, with its own
+    number of runs."""
+    from mlx_spec.cli.demo import REPEATS
+
     proc = mlx_spec_cmd("demo", "--max-tokens", "4", "--color", "never")
     assert proc.returncode == 0, proc.stderr
     check_demo_streams(proc.stdout, 8, False, 4)
-    check_demo_table(proc.stdout, 8, False, min(8, mlx_lm_command_default_n()))
+    table = check_demo_table(proc.stdout, 8, False, min(8, mlx_lm_command_default_n()))
+    check_verdicts(proc.stdout, table, "adaptive", REPEATS)
+    check_progress(proc.stderr, 2 * 2 * 4 * REPEATS)
 
 
 def test_marker_colours_runs_of_draft_tokens(monkeypatch):
@@ -777,40 +897,110 @@ def test_marker_colours_runs_of_draft_tokens(monkeypatch):
 
 # -- bench -------------------------------------------------------------------------------------
 
+SMALL = {"drafts": (2,), "prompts": 1, "max_tokens": 12, "repeats": 2}
+"""A smaller ``--quick`` for the suite: every method, workload and temperature, fewer tokens and
+repeats."""
 
-def test_bench_quick_writes_results_and_a_consistent_table(tmp_path):
+
+def test_bench_quick_writes_results_a_consistent_table_and_a_plot(tmp_path, monkeypatch):
+    """``--quick`` made smaller in this process: :data:`SMALL`, and as input-grounded prompt the
+    demo's, a third the length of the benchmark's first (on a CPU its prefill dominates short
+    generations)."""
+    from mlx_spec import _demo, bench
+    from mlx_spec.cli import bench as command
+
+    monkeypatch.setitem(command.SETTINGS, True, SMALL)
+    monkeypatch.setattr(bench, "GROUNDED", _demo.GROUNDED[1:2])
     out = tmp_path / "bench"
-    proc = mlx_spec_cmd("bench", "--quick", "--out", str(out))
+    proc = mlx_spec_main("bench", "--quick", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     results = json.loads((out / "results.json").read_text())
     settings, rows = results["settings"], results["generation"]
-    assert settings["quick"] is True
+    assert settings["quick"] is True and settings["repeats"] == SMALL["repeats"]
     assert {"date", "system", "mlx", "mlx_lm", "device"} <= set(results["machine"])
     names = ["plain", "mlx-lm N=2", "draft N=2", "draft adaptive", "lookup N=2", "lookup adaptive"]
     assert [r["name"] for r in rows[: 2 * len(names) : 2]] == names
     assert len(rows) == 2 * len(settings["temps"]) * len(names) * 2  # workloads, phases
-    tokens = settings["prompts"] * settings["max_tokens"]
     for row in rows:
+        # The first runs are the first pass's; the steady ones every pass's.
+        assert row["repeats"] == (1 if row["phase"] == "first" else settings["repeats"])
+        assert len(row["tokens_per_second_by_repeat"]) == row["repeats"]
+        tokens = settings["prompts"] * settings["max_tokens"] * row["repeats"]
         assert row["generated"] == tokens and row["rounds"] <= tokens
         if row["drafter"] == "plain":
             assert row["rounds"] == tokens
         elif row["adaptive"] or row["drafter"] == "lookup":
             assert row["drafted"] <= row["n"] * row["rounds"]
         else:
-            assert_drafted(row["drafted"], row["n"], row["rounds"], settings["prompts"])
+            generations = settings["prompts"] * row["repeats"]
+            assert_drafted(row["drafted"], row["n"], row["rounds"], generations)
     by = {(r["workload"], r["temp"], r["name"], r["phase"]): r for r in rows}
     for (workload, temp, name, phase), row in by.items():
         if temp == 0 and name == "draft N=2":  # the same drafts, kept alike
             assert row["rounds"] == by[workload, temp, "mlx-lm N=2", phase]["rounds"]
-    assert_generation_table(proc.stdout, rows)
+    assert_spread_table(proc.stdout, rows)
+    verdicts = VERDICT.findall(proc.stdout)
+    assert [(d, length) for d, length, _ in verdicts] == [
+        ("draft model", "adaptive"),
+        ("prompt lookup", "adaptive"),
+    ]
+    assert len(NOISE_LINE.findall(proc.stdout)) == 1
     assert str(out / "results.json") in proc.stdout
-    assert re.search(r"\] \d+/\d+ input-grounded, temperature 0.0", proc.stderr), proc.stderr
+    check_progress(proc.stderr, 2 * 2 * len(names) * SMALL["repeats"])
+    assert f"Wrote {out / 'plot.png'}: tokens/s against tokens per round" in proc.stdout
+    assert (out / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_without_matplotlib_says_how_to_get_the_plot(tmp_path, monkeypatch):
+    from mlx_spec import bench
+    from mlx_spec.cli.bench import _plot
+
+    lines = bench.summarize(bench_rows({"plain": [10, 10.2, 9.9], "lookup adaptive": [14, 15, 13]}))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    said = _plot(lines, tmp_path, "title")
+    assert said == (
+        f"pip install matplotlib gives {tmp_path / 'plot.png'} (tokens/s against tokens per round)"
+    )
+    assert not (tmp_path / "plot.png").exists()
+    monkeypatch.delitem(sys.modules, "matplotlib")  # the control: with it, the plot is drawn
+    assert _plot(lines, tmp_path, "title").startswith("Wrote")
+    assert (tmp_path / "plot.png").exists()
+
+
+def test_interrupted_bench_keeps_what_it_measured(tmp_path):
+    """results.json is rewritten after each measured row: Ctrl-C loses none of them. Also the
+    smoke test of the installed command: ``python -m mlx_spec bench --quick``, with progress."""
+    results = tmp_path / "results.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_spec", "bench", "--quick", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (results.exists() and json.loads(results.read_text())["generation"]):
+            assert proc.poll() is None and time.monotonic() < deadline, "no row was written"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    kept = json.loads(results.read_text())
+    assert kept["settings"]["quick"] is True
+    first = kept["generation"][0]
+    assert first["workload"] == "input-grounded" and first["tokens_per_second"] > 0
+    assert re.search(r"^\[\.{20}\] loading the demo pair, warm-up$", stderr, re.M), stderr
+    first_step = r"^\[[#.]{20}\] 1/\d+ plain, input-grounded, t=0.0, repeat 1/\d$"
+    assert re.search(first_step, stderr, re.M), stderr
 
 
 # -- fuzzing -----------------------------------------------------------------------------------
-# Bad values for every option of each command, each run in a subprocess with a time limit: the
-# command must end with status 2 and one line on stderr, or succeed; never a traceback or a hang.
-# Each run stops where a good value would start real work, so many fit in the quick suite.
+# Bad values for every option of each command, each run with a time limit: the command must end
+# with status 2 and one line on stderr, or succeed; never an exception or a hang. Each run stops
+# where a good value would start real work, so many fit in the quick suite.
 
 
 def not_utf8(data: bytes) -> str:
@@ -844,8 +1034,9 @@ def drawn_options(names: list[str]) -> st.SearchStrategy[list[str]]:
     return chosen.map(lambda options: [f"{name}={value}" for name, value in options.items()])
 
 
-def assert_clean_end(proc: subprocess.CompletedProcess) -> None:
-    """Status 2 with one line on stderr, or success; no traceback either way."""
+def assert_clean_end(proc: Ran) -> None:
+    """Status 2 with one line on stderr, or success; no traceback either way (an exception
+    that escaped the command would have failed the test already)."""
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.returncode in (0, 2), (proc.returncode, proc.stderr)
     if proc.returncode == 2:
@@ -860,10 +1051,33 @@ def fuzz_dir(tmp_path_factory) -> Path:
     return folder
 
 
-def fuzz_run(fuzz_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    """``mlx_spec_cmd`` offline, so that a model name drawn as ``org/model`` is not fetched."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(fuzz_dir / "hf")}
-    return mlx_spec_cmd(*args, env=env, timeout=120)
+class Hung(BaseException):
+    """A command ran past its time limit (a ``BaseException``, which no ``except Exception`` of
+    the command takes for one of its errors)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raises :class:`Hung` in the block once it has run ``seconds`` (a timer signal to this
+    process, whose main thread runs the tests)."""
+
+    def expire(signum, frame):
+        raise Hung(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def fuzz_run(fuzz_dir: Path, *args: str) -> Ran:
+    """``mlx_spec_main`` within 120 s, offline, so that a model name drawn as ``org/model`` is
+    not fetched."""
+    with offline(fuzz_dir), time_limit(120):
+        return mlx_spec_main(*args)
 
 
 PAIR_OPTIONS = [

@@ -70,6 +70,41 @@ def run(
         return CLOSED_PIPE
 
 
+class Progress:
+    """A measurement's progress on stderr: on a terminal one line redrawn in place, elsewhere a
+    line per step, ``[#####...............] 3/24 lookup adaptive, open, t=0.8, repeat 1/3``.
+
+    Called as ``on_run`` by :func:`mlx_spec.bench.measure`.
+    """
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int, label: str) -> None:
+        """Shows step ``done`` of ``total`` (counted from 1) starting: ``label``."""
+        filled = round(20 * (done - 1) / total)
+        self._show(f"[{'#' * filled}{'.' * (20 - filled)}] {done}/{total} {label}")
+
+    def note(self, label: str) -> None:
+        """Shows a step that is not counted, such as loading."""
+        self._show(f"[{'.' * 20}] {label}")
+
+    def done(self) -> None:
+        """Ends with a full bar."""
+        self._show(f"[{'#' * 20}] done")
+        if self.tty:
+            sys.stderr.write("\n")
+
+    def clear(self) -> None:
+        """Wipes a redrawn line, before an error message."""
+        if self.tty:
+            sys.stderr.write("\r\x1b[K")
+
+    def _show(self, line: str) -> None:
+        sys.stderr.write(f"\r\x1b[K{line}" if self.tty else f"{line}\n")
+        sys.stderr.flush()
+
+
 def prefer_mlx_attention() -> None:
     """Makes MLX's CUDA backend use its own attention kernel, unless the user chose already.
 

@@ -2,27 +2,32 @@
 
 Plain decoding, mlx-lm's speculative decoding, and mlx-spec with the draft model and with prompt
 lookup, at fixed draft lengths and adaptive, on an input-grounded and an open workload at
-temperature 0 and 0.8 (:mod:`mlx_spec.bench`).
+temperature 0 and 0.8 (:mod:`mlx_spec.bench`), over several passes: the table gives the median
+and range of each method's tokens/s and of its ratio to plain decoding, a line says whether the
+machine held still enough for a verdict, and a line per drafter gives it; with matplotlib, a plot
+of tokens/s against tokens per round.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._common import CliError, Parser, run, shown, utf8_text
+from ._common import CliError, Parser, Progress, run, shown, utf8_text
 
 TEMPS = (0.0, 0.8)
 SETTINGS = {
-    False: {"drafts": (1, 2, 4, 8), "prompts": 4, "max_tokens": 128},
-    True: {"drafts": (2,), "prompts": 1, "max_tokens": 32},
+    False: {"drafts": (1, 2, 4, 8), "prompts": 4, "max_tokens": 128, "repeats": 3},
+    True: {"drafts": (2,), "prompts": 1, "max_tokens": 32, "repeats": 3},
 }
-"""The draft lengths, prompts per workload and tokens per generation, full and ``--quick``."""
+"""The draft lengths, prompts per workload, tokens per generation and passes over the prompts
+(:func:`mlx_spec.bench.measure`), full and ``--quick``."""
+PLOT = "plot.png"
+"""The plot's file in ``--out``."""
 
 
 def setup_arg_parser() -> Parser:
@@ -33,8 +38,11 @@ def setup_arg_parser() -> Parser:
             "Measures generation on the shipped pair: plain decoding, mlx-lm's speculative "
             "decoding, and mlx-spec with the draft model and with prompt lookup (fixed draft "
             "lengths and adaptive), interleaved, on an input-grounded and an open workload at "
-            "temperature 0 and 0.8, each run twice (first use, steady state); writes "
-            "results.json and prints a table of tokens/s and ratios."
+            "temperature 0 and 0.8, over several passes (the first runs each method twice: first "
+            "use, steady state); writes results.json and, with matplotlib, plot.png (tokens/s "
+            "against tokens per round), and prints a table of tokens/s and ratios (median and "
+            "range over the passes), whether the machine was quiet enough for a verdict, and a "
+            "verdict per drafter."
         ),
     )
     parser.add_argument(
@@ -88,7 +96,7 @@ def _prepare(out: Path) -> None:
         ) from None
 
 
-def _measure(out: Path, quick: bool, progress: Callable[[str], None]) -> dict[str, Any]:
+def _measure(out: Path, quick: bool, progress: Progress) -> dict[str, Any]:
     """Measures, writing ``results.json`` before the first measurement (the machine and the
     settings) and again after each row, so that a run that is interrupted or fails keeps what it
     measured; returns the results."""
@@ -106,13 +114,35 @@ def _measure(out: Path, quick: bool, progress: Callable[[str], None]) -> dict[st
         bench.write_json(results, path)
 
     bench.write_json(results, path)
-    progress("loading the demo pair, warm-up")
+    progress.note("loading the demo pair, warm-up")
     target, draft, tokenizer = bench.load_demo_pair()
     methods = bench.methods(target, draft, settings["drafts"])
     bench.warm_up(methods, mx.array(tokenizer.encode(WARM_UP)), TEMPS)
     workloads = bench.demo_workloads(tokenizer, settings["prompts"])
-    bench.measure(methods, workloads, TEMPS, settings["max_tokens"], keep, progress)
+    bench.measure(
+        methods,
+        workloads,
+        TEMPS,
+        settings["max_tokens"],
+        keep,
+        repeats=settings["repeats"],
+        on_run=progress,
+    )
     return results
+
+
+def _plot(lines: list[dict[str, Any]], out: Path, title: str) -> str:
+    """Writes the plot into ``out``; returns what was written, or, without matplotlib, how to get
+    it."""
+    from .. import bench
+
+    try:
+        bench.plot(lines, out / PLOT, title)
+    except ModuleNotFoundError as error:
+        if (error.name or "").partition(".")[0] != "matplotlib":
+            raise
+        return f"pip install matplotlib gives {out / PLOT} (tokens/s against tokens per round)"
+    return f"Wrote {out / PLOT}: tokens/s against tokens per round"
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -120,43 +150,38 @@ def _bench(args: argparse.Namespace) -> int:
     _prepare(out)
     from .. import bench
 
-    # On a terminal the progress bar redraws one line; elsewhere each step is a line.
-    tty = sys.stderr.isatty()
-    clear = "\r\x1b[K" if tty else ""
-    steps = 1 + 2 * len(TEMPS)
-    done = 0
-
-    def progress(label: str) -> None:
-        nonlocal done
-        done += 1
-        filled = round(20 * (done - 1) / steps)
-        line = f"[{'#' * filled}{'.' * (20 - filled)}] {done}/{steps} {label}"
-        sys.stderr.write(f"{clear}{line}" if tty else f"{line}\n")
-        sys.stderr.flush()
-
+    progress = Progress()
     start = time.perf_counter()
     try:
         results = _measure(out, args.quick, progress)
     except OSError as error:
         if error.filename is None:
             raise
-        sys.stderr.write(clear)
+        progress.clear()
         raise CliError(
             f"{error.strerror}: {error.filename2 or error.filename}; results.json keeps "
             "what was measured before"
         ) from None
-    sys.stderr.write(f"{clear}[{'#' * 20}] done\n")
+    progress.done()
     m, s = results["machine"], results["settings"]
+    command = f"mlx-spec bench{' --quick' if args.quick else ''}"
     print(
-        f"# mlx-spec bench{' --quick' if args.quick else ''}: {m['date']}, {m['system']}, "
+        f"# {command}: {m['date']}, {m['system']}, "
         f"{m['cpu_count']} cores, Python {m['python']}, MLX {m['mlx']} ({m['device']}), "
         f"mlx-lm {m['mlx_lm']}"
     )
     print(
         f"\n## Generation on the shipped demo pair: {s['prompts']} prompt(s) per workload x "
-        f"{s['max_tokens']} tokens, each run twice in a row; tok/s and ratios of the second "
-        "run\n"
+        f"{s['max_tokens']} tokens, {s['repeats']} repeats, methods interleaved; the first "
+        "runs each method twice in a row (first use, steady state). tok/s and x plain: median "
+        "(min-max) over the steady runs, x plain repeat by repeat; the other ratios of the "
+        "medians\n"
     )
-    print(bench.table(bench.summarize(results["generation"])))
-    print(f"\nWrote {out / 'results.json'} ({time.perf_counter() - start:.0f} s)")
+    lines = bench.summarize(results["generation"])
+    print(bench.table(lines))
+    if said := bench.report(lines):
+        print(f"\n{said}")
+    title = f"{command}: {m['system']}, {m['cpu_count']} cores, MLX {m['mlx']} ({m['device']})"
+    print(f"\n{_plot(lines, out, title)}")
+    print(f"Wrote {out / 'results.json'} ({time.perf_counter() - start:.0f} s)")
     return 0

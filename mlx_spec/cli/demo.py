@@ -2,7 +2,10 @@
 
 On an input-grounded prompt (text the output repeats) and an open one, at two temperatures, the
 draft model and prompt lookup stream completions with the accepted draft tokens marked; then a
-table compares plain decoding, mlx-lm's speculative decoding and mlx-spec with each drafter.
+table compares plain decoding, mlx-lm's speculative decoding and mlx-spec with each drafter, over
+:data:`REPEATS` interleaved runs: the median and range of each one's tokens/s and of its ratio to
+plain decoding, whether the machine held still enough for a verdict (from plain decoding's own
+spread: :func:`mlx_spec.bench.noise`), and a verdict per drafter (:func:`mlx_spec.bench.verdicts`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from ._common import (
     MAX_TOKENS,
     CliError,
     Parser,
+    Progress,
     max_tokens,
     num_draft_tokens,
     prefer_mlx_attention,
@@ -31,10 +35,10 @@ SHOWN = {"input-grounded": GROUNDED[1], "open": PROMPTS[0]}
 """The prompts streamed and measured, named as ``mlx-spec bench`` names their workloads: a class
 whose methods repeat a pattern, short enough to read, and the start of a function."""
 TEMPS = (0.0, 0.8)
-SAMPLES = 2
-"""How many times the table measures each prompt: :func:`mlx_spec.bench.measure` gives the
-``i``-th seed ``i`` and turns the methods' order by one each time, so that a busy moment of the
-machine weighs on no method alone."""
+REPEATS = 5
+"""How many times the table measures each method on each prompt, in passes over the methods whose
+order turns by one each time (:func:`mlx_spec.bench.measure`), so that a busy moment of the
+machine weighs on no method alone: five give a median, and a range that shows the noise."""
 
 
 def setup_arg_parser() -> Parser:
@@ -172,31 +176,30 @@ def _demo(args: argparse.Namespace) -> int:
                 _stream(target, tokenizer, text, temp, args, color, options)
 
     print(
-        f"\nMeasuring {len(compared)} methods, interleaved, on each prompt {SAMPLES} times "
-        f"(seeds 0 to {SAMPLES - 1}) at {args.max_tokens} tokens, each run twice in a row (first "
-        "use, steady state):",
-        end="",
+        f"\nMeasuring {len(compared)} methods on each prompt at each temperature, {REPEATS} "
+        f"times, interleaved, at {args.max_tokens} tokens (seed 0; the first time twice in a "
+        "row: first use, steady state); progress on stderr.",
         flush=True,
     )
-    workloads = {k: [mx.array(tokenizer.encode(v))] * SAMPLES for k, v in SHOWN.items()}
+    workloads = {k: [mx.array(tokenizer.encode(v))] for k, v in SHOWN.items()}
+    progress = Progress()
     rows = bench.measure(
-        compared,
-        workloads,
-        TEMPS,
-        args.max_tokens,
-        progress=lambda label: print(f" {label};", end="", flush=True),
+        compared, workloads, TEMPS, args.max_tokens, repeats=REPEATS, on_run=progress
     )
-    print(" done.\n")
-    print(bench.table(bench.summarize(rows)))
+    progress.done()
+    lines = bench.summarize(rows)
+    print(f"\n{bench.table(lines)}")
     lm_n_why = "" if args.fixed else " (its command's default, at most -n)"
     print(
         f"\nplain: mlx_lm.generate.generate_step. mlx-lm N={lm_n}: mlx-lm's speculative decoding "
         f"with the draft model{lm_n_why}. draft, lookup: mlx-spec with the draft model, with "
-        "prompt lookup.\ntok/s: of the second runs, and every ratio likewise; first-use time / "
-        "steady: the first runs' time over the second's. tok/round: tokens per target call.\n"
-        "x plain: tok/s over plain decoding's on the same prompt at the same temperature; below "
-        "1.00x speculation did not pay on this machine in this run. '-': no such comparison."
+        f"prompt lookup.\ntok/s: the median of the {REPEATS} steady runs (all but the first "
+        "run's first time), and in brackets their range; first-use time / steady: the first "
+        "time over a steady run's. tok/round: tokens per target call.\nx plain: tok/s over "
+        "plain decoding's on the same prompt at the same temperature, run by run: the median and "
+        "the range; x mlx-lm: of the medians. '-': no such comparison."
     )
+    print(f"\n{bench.report(lines)}")
     print(f"\nDemo done in {time.perf_counter() - start:.0f} s. Next: mlx-spec bench --quick")
     return 0
 
@@ -240,10 +243,12 @@ def _stream(
 
 
 def _mlx_lm_default_n() -> int:
-    """The draft length of the ``mlx_lm.generate`` command when none is given."""
-    from ..patch import _lm_generate
+    """The draft length of the ``mlx_lm.generate`` command when none is given, from its public
+    parser (the module, which ``mlx_lm.generate`` the function hides)."""
+    import importlib
 
-    return _lm_generate.setup_arg_parser().get_default("num_draft_tokens")
+    command = importlib.import_module("mlx_lm.generate")
+    return command.setup_arg_parser().get_default("num_draft_tokens")
 
 
 def _parameters(model: Any) -> list[Any]:
