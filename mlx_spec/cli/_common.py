@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from .._checks import KV_BITS
-from ..attention import CUDNN_ATTENTION
 from ..draft_length import MAX_DRAFT_TOKENS
 
 
@@ -115,6 +114,9 @@ def prefer_mlx_attention() -> None:
     call, so setting it before the models run is enough; elsewhere than on CUDA it changes
     nothing.
     """
+    # Imported here: mlx_spec.attention reaches mlx-lm, which --help and bad options never need.
+    from ..attention import CUDNN_ATTENTION
+
     os.environ.setdefault(CUDNN_ATTENTION, "0")
 
 
