@@ -1,14 +1,16 @@
 """mlx-spec: lossless, cheap speculative-decoding acceptance for MLX.
 
-The acceptance ops and the samplers need only MLX. The generation loop, the drafters and the
-mlx-lm patch (``speculative_generate_step``, ``PromptLookupDrafter``, ``patch_mlx_lm``, ...) need
-mlx-lm (``pip install "mlx-spec[lm]"``) and are imported on first use.
+The acceptance ops, the samplers and the draft-length policies need only MLX (and NumPy). The
+generation loop, the drafters and the mlx-lm patch (``speculative_generate_step``,
+``PromptLookupDrafter``, ``patch_mlx_lm``, ...) need mlx-lm (``pip install "mlx-spec[lm]"``) and
+are imported on first use.
 """
 
 from importlib import import_module
 from typing import Any
 
 from .acceptance import INVALID_ROW, accept_greedy, accept_sampled, read
+from .draft_length import Adaptive, Calibration, DraftPolicy, Fixed
 from .sampling import SpecSampler, make_sampler
 
 # Names that need mlx-lm, by the module that defines them (imported on first use).
@@ -27,6 +29,10 @@ _NEEDS_MLX_LM = {
 
 __all__ = [
     "INVALID_ROW",
+    "Adaptive",
+    "Calibration",
+    "DraftPolicy",
+    "Fixed",
     "SpecSampler",
     "accept_greedy",
     "accept_sampled",

@@ -262,6 +262,21 @@ def _argmax_rows(logits: mx.array, on_cpu: bool) -> tuple[mx.array, mx.array]:
     return choice, invalid
 
 
+def _matching(
+    choice: mx.array, invalid: mx.array, draft: mx.array, eos: mx.array | None
+) -> mx.array:
+    """The ``[3]`` result of keeping draft tokens while they equal the target's own ``choice``
+    (``[N + 1]`` uint32) at rows that decide (``invalid``: ``[N + 1]`` bool, rows that do not)."""
+    n = draft.shape[0]
+    draft = _uint32(draft)
+    ok = mx.logical_and(draft == choice[:n], ~invalid[:n])
+    # `next` for every accepted count: the choice, or the position of an invalid row, flagged.
+    flagged = _iota(n + 1, INVALID_ROW)
+    candidates = mx.where(invalid, flagged, _uint32(choice))
+    accepted, eos_in_draft = _accepted(ok, draft, eos)
+    return _result(accepted, eos_in_draft, mx.take(candidates, accepted), eos)
+
+
 @cache
 def _greedy_graph(on_cpu: bool) -> Callable[..., mx.array]:
     """The compiled greedy graph for one backend (compiled once per thread, traced once per
@@ -269,16 +284,34 @@ def _greedy_graph(on_cpu: bool) -> Callable[..., mx.array]:
 
     def greedy(logits: mx.array, draft: mx.array, eos: mx.array | None) -> mx.array:
         choice, invalid = _argmax_rows(logits, on_cpu)
-        n = draft.shape[0]
-        draft = _uint32(draft)
-        ok = mx.logical_and(draft == choice[:n], ~invalid[:n])
-        # `next` for every accepted count: the argmax, or the position of an invalid row, flagged.
-        flagged = _iota(n + 1, INVALID_ROW)
-        candidates = mx.where(invalid, flagged, choice)
-        accepted, eos_in_draft = _accepted(ok, draft, eos)
-        return _result(accepted, eos_in_draft, mx.take(candidates, accepted), eos)
+        return _matching(choice, invalid, draft, eos)
 
     return _compile_per_thread(greedy)
+
+
+_matching_graph = _compile_per_thread(_matching)
+
+
+def matching_decision(
+    choice: mx.array, invalid: mx.array, draft: mx.array, eos: mx.array | None
+) -> mx.array:
+    """The decision of a round whose target tokens were drawn already: draft tokens are kept
+    while they equal the target's token at their position, and ``next`` is the target's token
+    after them. Coupled sampling decides so (the target's token at each position drawn with that
+    position's randomness, see :mod:`mlx_spec.rules`); greedy acceptance is this with each row's
+    argmax. Unchecked (see :func:`greedy_decision`).
+
+    Args:
+        choice (array): ``[N + 1]`` uint32 or int32: the target's token at each position.
+        invalid (array): ``[N + 1]`` bool: rows that cannot decide (reported through
+            :data:`INVALID_ROW` when one decides).
+        draft (array): ``[N]`` uint32 or int32 draft tokens.
+        eos (array, optional): ``[E]`` end-of-sequence ids, ``E >= 1``; ``None`` for none.
+
+    Returns:
+        array: the lazy ``[3]`` uint32 ``[accepted, next, eos_hit]``.
+    """
+    return _matching_graph(choice, invalid, draft, eos)
 
 
 @cache

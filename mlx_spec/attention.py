@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import kernels
+from . import _mlx_lm, kernels
 from ._checks import StreamOrDevice
 
 __all__ = ["QUERIES_PER_CALL", "attention_in_chunks", "chunking", "chunks_pay"]
@@ -39,7 +39,6 @@ QUERIES_PER_CALL = 3
 HEAD_SIZES = (64, 96, 128)
 
 _local = threading.local()
-_lock = threading.Lock()
 
 
 def chunks_pay(stream: StreamOrDevice = None) -> bool:
@@ -125,17 +124,12 @@ def _chunked(attend: Callable[..., mx.array]) -> Callable[..., mx.array]:
 def chunking() -> Iterator[None]:
     """Within it, on this thread, ``mx.fast.scaled_dot_product_attention`` runs a causal or
     unmasked attention over more than :data:`QUERIES_PER_CALL` queries in chunks (see the module's
-    description). The first use installs a wrapper that changes nothing outside it."""
-    # Every verification enters here: the lock only for the first install.
-    if not getattr(mx.fast.scaled_dot_product_attention, "chunks", False):
-        with _lock:
-            if not getattr(mx.fast.scaled_dot_product_attention, "chunks", False):
-                mx.fast.scaled_dot_product_attention = _chunked(
-                    mx.fast.scaled_dot_product_attention
-                )
+    description). MLX's function is replaced only while some thread is within it
+    (:func:`mlx_spec._mlx_lm.scoped_attention`), and other threads' calls are left whole."""
     previous = getattr(_local, "active", False)
-    _local.active = True
-    try:
-        yield
-    finally:
-        _local.active = previous
+    with _mlx_lm.scoped_attention(_chunked):
+        _local.active = True
+        try:
+            yield
+        finally:
+            _local.active = previous

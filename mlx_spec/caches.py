@@ -15,7 +15,7 @@ arrays are immutable values, so a checkpoint holds references, not copies; an ar
 overwrites in place (``a[i] = x`` rebinds the array object) is held through a new object of the
 same value, so the write does not reach the checkpoint. A model whose caches were restored lacks
 the tokens fed since the checkpoint: the caller feeds them again with its next call. The gated
-delta-net layers that :mod:`mlx_spec.recurrent` knows need no such replay: within
+delta-net layers that :mod:`mlx_spec._mlx_lm` knows need no such replay: within
 :meth:`ModelCache.tracking`, their state after every position of a call is kept, and a rewind
 into that call takes the state at its length.
 
@@ -24,14 +24,11 @@ into that call takes the state at its length.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
-import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import (
     ArraysCache,
@@ -44,16 +41,14 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
-from . import recurrent
+from . import _mlx_lm
 
-__all__ = ["ModelCache", "check_caches", "decode_masks"]
+__all__ = ["ModelCache", "check_caches"]
 
 # Appending attention caches: mlx-lm's trim drops the newest entries exactly.
 _APPENDING = (KVCache, QuantizedKVCache, ConcatenateKVCache, ChunkedKVCache)
 # Caches whose every update rebinds attributes, list items or arrays: a checkpoint restores them.
-# Matched by name too, for the classes a model module defines for itself.
 _RECURRENT = (ArraysCache,)
-_RECURRENT_NAMES = frozenset({"LayerCache"})
 
 
 def _kind(layer: Any) -> str | None:
@@ -62,7 +57,7 @@ def _kind(layer: Any) -> str | None:
         return "append"
     if isinstance(layer, RotatingKVCache):
         return "rotating"
-    if isinstance(layer, _RECURRENT) or type(layer).__name__ in _RECURRENT_NAMES:
+    if isinstance(layer, _RECURRENT) or type(layer).__name__ in _mlx_lm.RESTORED_BY_NAME:
         return "recurrent"
     if isinstance(layer, CacheList):
         return "list"
@@ -133,27 +128,23 @@ def check_caches(
             )
 
 
-def _held(layer: RotatingKVCache) -> int:
-    """The entries of a rotating buffer that hold tokens."""
-    if layer.keys is None:
-        return 0
-    size = layer.keys.shape[2]
-    return size if layer._idx == size or layer._idx < layer.offset else layer._idx
-
-
 def _trimmable(layer: Any, n: int) -> bool:
     """Whether trimming the newest ``n`` tokens of ``layer`` is exact.
 
     A rotating buffer in temporal order holds the ``keep`` first tokens and the newest others;
     without its newest ``n`` it is exact when nothing was evicted yet, or when it still holds a
     full window (``max_size`` entries, the most a later call of one token reads; with fewer, that
-    call would grow the buffer as if it had never wrapped).
+    call would grow the buffer as if it had never wrapped). Where this mlx-lm's buffer is not laid
+    out as expected (:func:`mlx_spec._mlx_lm.rotating_trims`), a rotating cache is restored from a
+    checkpoint instead.
     """
     kind = _kind(layer)
     if kind == "append" or n == 0:
         return True
     if kind == "rotating":
-        held = _held(layer)
+        if not _mlx_lm.rotating_trims():
+            return False
+        held = _mlx_lm.rotating_held(layer)
         return layer.offset <= held or held - n >= layer.max_size
     if kind == "list":
         return all(_trimmable(member, n) for member in layer.caches)
@@ -166,108 +157,51 @@ def _trim(layer: Any, n: int) -> None:
     if kind == "append":
         layer.trim(n)
     elif kind == "rotating" and n:
-        held = _held(layer)
-        layer.keys = layer._temporal_order(layer.keys)[..., : held - n, :]
-        layer.values = layer._temporal_order(layer.values)[..., : held - n, :]
-        layer.offset -= n
-        layer._idx = held - n
+        _mlx_lm.rotating_trim(layer, n)
     elif kind == "list":
         for member in layer.caches:
             _trim(member, n)
 
 
-def _decode_mask(
-    layer: RotatingKVCache, n: int, window_size: int | None = None, return_array: bool = False
-) -> Any:
-    """The mask of ``n`` new tokens that a rotating cache with ``keep > 0`` gives each of them the
-    context of a one-token step: the ``keep`` first tokens and the newest others.
-
-    mlx-lm's mask for several tokens is a plain sliding window over the buffer, which hides the
-    kept tokens from the later queries and shows them older ones instead; one token at a time
-    (how plain decoding runs) sees the kept ones. Falls back to mlx-lm's mask where the two agree
-    or where a window narrower than the buffer applies.
-    """
-    if n == 1 or (window_size is not None and window_size != layer.max_size):
-        return RotatingKVCache.make_mask(layer, n, window_size, return_array)
-    held = _held(layer)
-    # The buffer after this call (mlx-lm's _update_concat): the kept tokens, the newest old ones,
-    # then the new ones; by absolute position.
-    old = held - max(held - layer.max_size + 1, 0)
-    keep = min(layer.keep, old)
-    positions = mx.concatenate(
-        [
-            mx.arange(keep),
-            mx.arange(layer.offset - (old - keep), layer.offset),
-            mx.arange(layer.offset, layer.offset + n),
-        ]
-    )
-    queries = mx.arange(layer.offset, layer.offset + n)[:, None]
-    recent = positions[None, :] > queries - (layer.max_size - layer.keep)
-    kept = positions[None, :] < layer.keep
-    return mx.logical_and(mx.logical_or(recent, kept), positions[None, :] <= queries)
+def multi_token_calls_exact(layers: list[Any]) -> bool:
+    """Whether a call of several tokens gives the logits that one-token steps would: not where a
+    rotating cache keeps its first tokens and this mlx-lm's mask for it cannot be adapted
+    (:func:`mlx_spec._mlx_lm.rotating_masks`)."""
+    keeping = [c for c in _flat(layers) if _kind(c) == "rotating" and c.keep > 0]
+    return not keeping or _mlx_lm.rotating_masks()
 
 
-@contextmanager
-def decode_masks(layers: list[Any]) -> Iterator[None]:
-    """Within it, calls of several tokens see in every rotating cache with ``keep > 0`` the
-    context that one-token steps would (see :func:`_decode_mask`)."""
-    rotating = [layer for layer in layers if _kind(layer) == "rotating" and layer.keep > 0]
-    for layer in rotating:
-        layer.make_mask = partial(_decode_mask, layer)
-    try:
-        yield
-    finally:
-        for layer in rotating:
-            del layer.make_mask
-
-
-def _frozen(value: Any) -> Any:
-    """``value`` with every array held through a new object and containers copied."""
-    if isinstance(value, mx.array):
-        return copy.copy(value)
-    if isinstance(value, list):
-        return [_frozen(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_frozen(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _frozen(v) for k, v in value.items()}
-    return value
+def _flat(layers: list[Any]) -> list[Any]:
+    return [m for c in layers for m in (_flat(list(c.caches)) if _kind(c) == "list" else [c])]
 
 
 def _snapshot(layer: Any) -> Any:
-    """What restores ``layer``: ``None`` for a layer that appends (it is trimmed instead)."""
+    """What restores ``layer``: the length of a layer that appends (it is trimmed back to it),
+    else its state (held by reference)."""
     kind = _kind(layer)
     if kind == "append":
-        return None
+        return layer.offset
     if kind == "list":
         return [_snapshot(member) for member in layer.caches]
-    return _frozen(vars(layer))
+    return _mlx_lm.snapshot(layer)
 
 
-def _restore(layer: Any, snapshot: Any, n: int) -> None:
-    """Puts ``layer`` back as ``snapshot`` holds it; a layer that appends drops ``n`` tokens."""
+def _restore(layer: Any, snapshot: Any) -> None:
+    """Puts ``layer`` back as ``snapshot`` holds it: a layer that appends drops what it holds
+    past its length then (whatever a call cut short left in it)."""
     kind = _kind(layer)
     if kind == "append":
-        layer.trim(n)
+        layer.trim(layer.offset - snapshot)
     elif kind == "list":
         for member, state in zip(layer.caches, snapshot, strict=True):
-            _restore(member, state, n)
+            _restore(member, state)
     else:
-        vars(layer).clear()
-        vars(layer).update(_frozen(snapshot))
-
-
-def _snapshots_needed(layers: list[Any]) -> bool:
-    return any(
-        _kind(layer) in ("rotating", "recurrent")
-        or (_kind(layer) == "list" and _snapshots_needed(list(layer.caches)))
-        for layer in layers
-    )
+        _mlx_lm.restore(layer, snapshot)
 
 
 def _tracks(layers: list[Any], tracked: int) -> int:
     """How many recurrent layers of ``layers`` keep their states: ``tracked`` (the count of
-    :func:`mlx_spec.recurrent.track`) when those are all of them (``ArraysCache`` entries holding
+    :func:`mlx_spec._mlx_lm.track`) when those are all of them (``ArraysCache`` entries holding
     a convolution's and a recurrence's state, none inside a ``CacheList``), else ``0``."""
     recurrent_layers = [layer for layer in layers if _kind(layer) == "recurrent"]
     every = (
@@ -283,7 +217,7 @@ class _Checkpoint:
     length: int
     states: list[Any]
     # The recurrent layers' states after each position of the call made from this checkpoint.
-    positions: list[recurrent.Positions] | None = None
+    positions: list[_mlx_lm.Positions] | None = None
 
 
 class ModelCache:
@@ -293,7 +227,7 @@ class ModelCache:
         layers (list): the caches, one per layer.
         length (int, optional): tokens of the text they hold. Default: ``0``.
         model (nn.Module, optional): the model they serve. Where all its recurrent layers are
-            gated delta-net layers that :mod:`mlx_spec.recurrent` knows, calls made within
+            gated delta-net layers that :mod:`mlx_spec._mlx_lm` knows, calls made within
             :meth:`tracking` keep their state after every position, and a rewind into such a
             call needs no replay. Default: none (rewinds restore checkpoints).
 
@@ -311,21 +245,35 @@ class ModelCache:
         replays = _replays(layers)
         # The recurrent layers that keep their states (all of them, or none).
         tracks = replays and model is not None
-        self._tracked = _tracks(layers, recurrent.track(model)) if tracks else 0
+        self._tracked = _tracks(layers, _mlx_lm.track(model)) if tracks else 0
         self.replays = replays and not self._tracked
-        self._snapshots = _snapshots_needed(layers)
         self._checkpoints: list[_Checkpoint] = []
+        # Whether a call was cut short (an error, an interrupt): the layers may then hold some
+        # of its tokens, and only the checkpoint before it says what they held.
+        self._unsure = False
 
     def checkpoint(self) -> None:
         """Remembers the caches' state at the current length.
 
-        Cheap: layers that append are trimmed back instead, and the others are held by
-        reference. A model whose layers all append keeps nothing. Checkpoints stack until
-        :meth:`rewind` passes below them or :meth:`forget` drops them.
+        Cheap: layers that append keep their length (they are trimmed back), and the others are
+        held by reference. Checkpoints stack until :meth:`rewind` passes below them or
+        :meth:`forget` drops them.
         """
-        if self._snapshots:
-            states = [_snapshot(layer) for layer in self.layers]
-            self._checkpoints.append(_Checkpoint(self.length, states))
+        states = [_snapshot(layer) for layer in self.layers]
+        self._checkpoints.append(_Checkpoint(self.length, states))
+
+    @contextmanager
+    def feeding(self, count: int) -> Iterator[None]:
+        """Within it, the model is called on ``count`` more tokens, after a checkpoint at the
+        current length (taken here where there is none). When the call ends, the caches hold
+        them; when it raises (``KeyboardInterrupt`` included), :meth:`rewind` restores that
+        checkpoint first, whatever the call left in each layer."""
+        if not (self._checkpoints and self._checkpoints[-1].length == self.length):
+            self.checkpoint()
+        self._unsure = True
+        yield
+        self.fed(count)
+        self._unsure = False
 
     @contextmanager
     def tracking(self) -> Iterator[None]:
@@ -336,7 +284,7 @@ class ModelCache:
             yield
             return
         point = self._checkpoints[-1]
-        with recurrent.tracking() as records:
+        with _mlx_lm.tracking() as records:
             yield
         fed = self.length - point.length
         if fed > 0 and len(records) == self._tracked and all(len(r.states) == fed for r in records):
@@ -379,9 +327,16 @@ class ModelCache:
             RuntimeError: the caches cannot be trimmed exactly and no checkpoint is low enough
                 (a caller's bug: checkpoint before every call that may be undone).
         """
+        if self._unsure:
+            point = self._checkpoints[-1]
+            for layer, state in zip(self.layers, point.states, strict=True):
+                _restore(layer, state)
+            self.length, self._unsure = point.length, False
         n = self.length - length
         if n <= 0:
             return self.length
+        # Cut short (an interrupt) midway through the layers, the next rewind restores.
+        self._unsure = bool(self._checkpoints)
         if all(_trimmable(layer, n) for layer in self.layers):
             for layer in self.layers:
                 _trim(layer, n)
@@ -404,9 +359,10 @@ class ModelCache:
                 self.length = length
             else:
                 for layer, state in zip(self.layers, point.states, strict=True):
-                    _restore(layer, state, self.length - point.length)
+                    _restore(layer, state)
                 self.length = point.length
         self._checkpoints = [c for c in self._checkpoints if c.length <= self.length]
+        self._unsure = False
         return self.length
 
     def _within(self, point: _Checkpoint, length: int, n: int) -> bool:

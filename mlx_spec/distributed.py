@@ -80,9 +80,9 @@ def model_group(*models: nn.Module, group: Group | None = None) -> Group | None:
     return found[0] if found else None
 
 
-def _draw_key() -> mx.array:
-    # From mx.random's global state, so that mx.random.seed reproduces a run without a key.
-    return mx.random.randint(0, 2**31 - 1, shape=(2,), dtype=mx.uint32)
+def _global_state() -> mx.array:
+    # mx.random's global state, so that mx.random.seed reproduces a run without a key.
+    return mx.random.state[0]
 
 
 def _shown(rows: list[list[int]]) -> str:
@@ -94,7 +94,7 @@ def _shown(rows: list[list[int]]) -> str:
 def agree_key(
     op: str, key: mx.array | None, group: Group | None, *, stream: StreamLike = None
 ) -> mx.array:
-    """The key every rank of ``group`` uses: the caller's, or one drawn by rank 0.
+    """The key every rank of ``group`` uses: the caller's, or rank 0's ``mx.random`` state.
 
     One ``all_gather`` of ``[given, key0, key1]`` from every rank, read on the host, decides it
     the same way on every rank: when no rank was given a key, all take rank 0's draw; when all
@@ -109,8 +109,8 @@ def agree_key(
 
     Args:
         op (str): the calling function's name, for the error message.
-        key (array, optional): ``[2]`` uint32 key from ``mx.random.key``. Default: draw one
-            from ``mx.random``'s global state (on rank 0, for a group).
+        key (array, optional): ``[2]`` uint32 key from ``mx.random.key``. Default:
+            ``mx.random``'s global state (rank 0's, for a group).
         group (Group, optional): the group the models run on, from :func:`model_group`.
         stream (Stream, optional): the stream the models run on. Default: the default stream.
 
@@ -125,8 +125,8 @@ def agree_key(
     if key is not None:
         key = check_key(op, key)
     if group is None or group.size() == 1:
-        return key if key is not None else _draw_key()
-    mine = key if key is not None else _draw_key()
+        return key if key is not None else _global_state()
+    mine = key if key is not None else _global_state()
     given = mx.array([key is not None], dtype=mx.uint32)
     sent = mx.concatenate([given, mine])[None]
     rows = mx.distributed.all_gather(sent, group=group, stream=stream).tolist()

@@ -10,10 +10,10 @@ Two ship:
   text's last n-gram and proposes what followed it, from an index kept up to date as the text
   grows, so a proposal costs a few dictionary lookups whatever the length of the text.
 
-Lookup drafts are deterministic (point masses), which :func:`mlx_spec.accept_sampled` keeps with
-probability ``p(d)``: lossless at any temperature. With ``distribution=True`` and a sampled
-generation, a lookup draft is instead drawn from the frequencies of the continuations the text
-holds, and kept with probability ``sum(min(p, q))``.
+Lookup drafts are deterministic: a sampled generation keeps such a draft token ``d`` with
+probability ``p(d)``, lossless at any temperature. With ``distribution=True`` and a sampled
+generation, a lookup draft is instead drawn, as the generation's rule draws
+(:meth:`mlx_spec.rules.Rule.draw`), from the frequencies of the continuations the text holds.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,6 +31,9 @@ import numpy as np
 from .caches import ModelCache
 from .rules import Rule
 
+if TYPE_CHECKING:
+    from .loop import Text
+
 __all__ = [
     "MAX_NGRAM",
     "Draft",
@@ -38,7 +41,6 @@ __all__ = [
     "Drafter",
     "ModelDrafter",
     "PromptLookupDrafter",
-    "Text",
 ]
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -46,53 +48,6 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 #: The longest n-gram prompt lookup matches: each token added to the text is indexed once per
 #: n-gram size, so the size bounds the work of a round.
 MAX_NGRAM = 32
-
-
-class Text:
-    """The text of one generation: the prompt, then the tokens generated so far.
-
-    The loop makes it and hands it to the drafter; ``len(text)`` is its length in tokens.
-
-    Attributes:
-        prompt (array): ``[P]`` uint32 prompt tokens.
-        generated (list of int): the tokens generated so far.
-    """
-
-    def __init__(self, prompt: mx.array, prompt_ids: list[int]) -> None:
-        self.prompt = prompt
-        self.generated: list[int] = []
-        self._prompt_ids = prompt_ids
-        self._array = prompt
-
-    def __len__(self) -> int:
-        return self.prompt.size + len(self.generated)
-
-    def extend(self, tokens: list[int]) -> None:
-        """Appends generated ``tokens``."""
-        self.generated.extend(tokens)
-        self._array = None
-
-    def tokens(self, start: int, stop: int | None = None) -> mx.array:
-        """``[stop - start]`` uint32 tokens of the text (to its end without ``stop``)."""
-        stop = len(self) if stop is None else stop
-        p = self.prompt.size
-        if stop <= p:
-            return self.prompt[start:stop]
-        tail = mx.array(self.generated[max(start - p, 0) : stop - p], dtype=mx.uint32)
-        return mx.concatenate([self.prompt[start:], tail]) if start < p else tail
-
-    def array(self) -> mx.array:
-        """``[len(self)]`` uint32: the whole text (built once per round, for logits processors)."""
-        if self._array is None:
-            self._array = self.tokens(0)
-        return self._array
-
-    def ids(self, start: int, stop: int | None = None) -> list[int]:
-        """The text's tokens ``start:stop`` as Python ints (no device read)."""
-        stop = len(self) if stop is None else stop
-        p = len(self._prompt_ids)
-        head = self._prompt_ids[start:stop] if start < p else []
-        return head + self.generated[max(start - p, 0) : max(stop - p, 0)]
 
 
 @dataclass(frozen=True)
@@ -142,15 +97,12 @@ class DraftSetup:
         quantize (callable): applied to a model drafter's caches after each call (mlx-lm's
             ``kv_bits`` quantization; by default, nothing).
         prefill_step_size (int): prompt tokens per prefill call.
-        seed (int, optional): a host seed derived from the generation's key, for drafters that
-            draw on the host; ``None`` when the rule takes no keys.
     """
 
     rule: Rule
     logits_processors: Sequence[LogitsProcessor] = ()
     quantize: Callable[[list[Any]], None] = field(default=lambda cache: None)
     prefill_step_size: int = 512
-    seed: int | None = None
 
 
 class Drafter(ABC):
@@ -169,19 +121,23 @@ class Drafter(ABC):
 
         Args:
             text (Text): the text so far: the prompt.
-            setup (DraftSetup): the generation's rule, logits processors, cache quantization,
-                prefill step and host seed.
+            setup (DraftSetup): the generation's rule, logits processors, cache quantization
+                and prefill step.
         """
 
     @abstractmethod
-    def propose(self, text: Text, n: int, key: mx.array | None) -> Draft:
+    def propose(self, text: Text, n: int, keys: mx.array | None) -> Draft:
         """Up to ``n`` tokens to follow ``text``.
+
+        A drafter that samples draws its ``i``-th token with ``setup.rule.draw(logits,
+        keys[i])``: under coupled acceptance that is the randomness the target's own token at
+        that position takes, so the two agree as often as they can.
 
         Args:
             text (Text): the text so far.
             n (int): the most tokens to propose, ``>= 0``.
-            key (array, optional): ``[2]`` uint32 key for drawing them; ``None`` when the rule
-                takes no keys.
+            keys (array, optional): ``[n, 2]`` uint32, the key of each proposed token's draw;
+                ``None`` when the rule takes no keys (greedy).
 
         Returns:
             Draft: at most ``n`` tokens (fewer, or none, when there is nothing to propose).
@@ -237,9 +193,9 @@ class ModelDrafter(Drafter):
             mx.eval([c.state for c in self.cache.layers])
 
     def _feed(self, tokens: mx.array) -> mx.array:
-        logits = self.model(tokens[None], cache=self.cache.layers)
+        with self.cache.feeding(tokens.size):
+            logits = self.model(tokens[None], cache=self.cache.layers)
         self._setup.quantize(self.cache.layers)
-        self.cache.fed(tokens.size)
         return logits[0, -1:]
 
     def _process(self, logits: mx.array, text: Text, drafts: list[mx.array]) -> mx.array:
@@ -251,11 +207,12 @@ class ModelDrafter(Drafter):
             logits = processor(tokens, logits)
         return logits
 
-    def propose(self, text: Text, n: int, key: mx.array | None) -> Draft:
+    def propose(self, text: Text, n: int, keys: mx.array | None) -> Draft:
         self._base = len(text)
         if n == 0:
             return _EMPTY
-        keys = mx.random.split(key, n) if key is not None else [None] * n
+        if keys is None:
+            keys = [None] * n
         pending = text.tokens(self.cache.length)
         drafts: list[mx.array] = []
         rows: list[mx.array] = []
@@ -369,14 +326,12 @@ class PromptLookupDrafter(Drafter):
         self.min_ngram = min_ngram
         self.distribution = distribution
         self._index = _NgramIndex(min_ngram, max_ngram)
-        self._rng: np.random.Generator | None = None
-        self._sample = False
+        self._rule: Rule | None = None
 
     def start(self, text: Text, setup: DraftSetup) -> None:
         self._index = _NgramIndex(self.min_ngram, self.max_ngram)
         self._index.extend(text.ids(0))
-        self._sample = self.distribution and setup.rule.random
-        self._rng = np.random.default_rng(setup.seed) if self._sample else None
+        self._rule = setup.rule if self.distribution and setup.rule.random else None
 
     def update(self, text: Text, accepted: int) -> None:
         self._index.extend(text.ids(len(self._index.ids)))
@@ -384,25 +339,27 @@ class PromptLookupDrafter(Drafter):
     def finish(self, text: Text, length: int, feed: bool) -> None:
         self.update(text, 0)
 
-    def propose(self, text: Text, n: int, key: mx.array | None) -> Draft:
+    def propose(self, text: Text, n: int, keys: mx.array | None) -> Draft:
         ids = self._index.ids
         if n == 0:
             return _EMPTY
-        if self._sample:
-            return self._draw(n)
+        if self._rule is not None and keys is not None:
+            return self._draw(n, keys)
         gram = self._index.match(ids[-self.max_ngram :])
         if gram is None:
             return _EMPTY
         start = self._index.last[gram]
         return Draft(mx.array(ids[start : start + n], dtype=mx.uint32), label=len(gram))
 
-    def _draw(self, n: int) -> Draft:
-        """Draws up to ``n`` tokens, each from the continuations of the n-gram it follows."""
+    def _draw(self, n: int, keys: mx.array) -> Draft:
+        """Draws up to ``n`` tokens, each from the continuations of the n-gram it follows, the
+        ``i``-th with ``keys[i]`` as the generation's rule draws (one host read a token: the
+        next n-gram depends on it)."""
         suffix = self._index.ids[-self.max_ngram :]
         tokens: list[int] = []
-        rows: list[tuple[np.ndarray, np.ndarray]] = []
+        rows: list[mx.array] = []
         label = 0
-        for _ in range(n):
+        for i in range(n):
             gram = self._index.match(suffix)
             if gram is None:
                 break
@@ -410,15 +367,16 @@ class PromptLookupDrafter(Drafter):
             counts = self._index.counts[gram]
             support = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
             weights = np.fromiter(counts.values(), dtype=np.float64, count=len(counts))
-            weights /= weights.sum()
-            token = int(self._rng.choice(support, p=weights))
-            tokens.append(token)
-            rows.append((support, weights))
-            suffix = [*suffix[1:], token] if len(suffix) == self.max_ngram else [*suffix, token]
+            scores = np.full((1, int(support.max()) + 1), -np.inf, dtype=np.float32)
+            scores[0, support] = np.log(weights / weights.sum())
+            token, q = self._rule.draw(mx.array(scores), keys[i])
+            tokens.append(int(token.item()))
+            rows.append(q)
+            suffix = [*suffix, tokens[-1]][-self.max_ngram :]
         if not tokens:
             return _EMPTY
-        width = max(int(s.max()) for s, _ in rows) + 1
-        dense = np.zeros((len(rows), width), dtype=np.float32)
-        for i, (support, weights) in enumerate(rows):
-            dense[i, support] = weights
-        return Draft(mx.array(tokens, dtype=mx.uint32), mx.array(dense), label=label)
+        probs = None
+        if rows[0] is not None:
+            width = max(q.shape[-1] for q in rows)
+            probs = mx.concatenate([mx.pad(q, [(0, 0), (0, width - q.shape[-1])]) for q in rows])
+        return Draft(mx.array(tokens, dtype=mx.uint32), probs, label=label)

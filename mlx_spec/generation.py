@@ -10,9 +10,7 @@ hands them to the loop (:mod:`mlx_spec.loop`). ``N`` is ``num_draft_tokens``, or
 
 from __future__ import annotations
 
-import importlib
 import time
-import warnings
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -20,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import GenerationResponse, generation_stream, wired_limit
+from mlx_lm.generate import GenerationResponse
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -35,16 +33,17 @@ from ._checks import (
     check_prompt_cache,
     is_int,
 )
+from ._mlx_lm import lm
 from .attention import chunks_pay
 from .caches import ModelCache, check_caches
 from .distributed import agree_key, model_group
-from .draft_length import MAX_DRAFT_TOKENS, DraftLength, cost_key, recall
-from .drafters import Drafter, DraftSetup, ModelDrafter, PromptLookupDrafter, Text
-from .loop import Generation, SpeculativeStats, Target, run, vocab_size
-from .rules import make_rule
+from .draft_length import MAX_DRAFT_TOKENS, Adaptive, DraftPolicy, Fixed
+from .drafters import Drafter, DraftSetup, ModelDrafter, PromptLookupDrafter
+from .keys import KeyChain
+from .loop import Generation, SpeculativeStats, Target, Text, vocab_size
+from .rules import ACCEPTANCE, make_rule
 
-# The module, not the function ``mlx_lm.generate`` that the package exports under that name.
-_lm_generate = importlib.import_module("mlx_lm.generate")
+generation_stream = lm.generation_stream
 
 __all__ = [
     "MAX_DRAFT_TOKENS",
@@ -59,9 +58,6 @@ Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 StreamLike = mx.Stream | mx.ThreadLocalStream | mx.Device
 
-# mlx-lm's function, as it was when this module was imported (before any patch).
-_LM_STREAM_GENERATE = _lm_generate.stream_generate
-
 
 @dataclass
 class SpeculativeResponse(GenerationResponse):
@@ -73,16 +69,6 @@ class SpeculativeResponse(GenerationResponse):
     """
 
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
-
-
-def _opaque_warning() -> None:
-    warnings.warn(
-        "speculative_generate_step: the sampler does not expose its distribution (no `probs`), so "
-        "draft tokens are accepted only when the target's own sample equals them (mlx-lm's rule): "
-        "still lossless, but few drafts are kept at temperature > 0. Use "
-        "mlx_spec.sampling.make_sampler for rejection sampling.",
-        stacklevel=3,
-    )
 
 
 def _drafter(
@@ -152,7 +138,7 @@ def make_quantizer(
         callable: takes one model's list of caches and swaps in quantized ones in place.
     """
     quantize = partial(
-        _lm_generate.maybe_quantize_kv_cache,
+        lm.maybe_quantize_kv_cache,
         quantized_kv_start=quantized_kv_start,
         kv_group_size=kv_group_size,
         kv_bits=kv_bits,
@@ -181,38 +167,44 @@ def speculative_generate_step(
     prefill_step_size: int = 512,
     kv_bits: int | None = None,
     kv_group_size: int = 64,
-    quantized_kv_start: int = _lm_generate.DEFAULT_QUANTIZED_KV_START,
+    quantized_kv_start: int = lm.quantized_kv_start,
     prompt_progress_callback: Callable[[int, int], None] | None = None,
     key: mx.array | None = None,
     eos_token_ids: Iterable[int] | None = None,
     stats: SpeculativeStats | None = None,
     drafter: str | Drafter | None = None,
     adaptive: bool = False,
+    policy: DraftPolicy | None = None,
+    acceptance: str = "coupled",
 ) -> Generator[tuple[int, mx.array, bool], None, None]:
-    """Speculative decoding whose output has the target's distribution at any temperature.
+    """Speculative decoding whose output is the target's own sampling, at any temperature.
 
     A drop-in for ``mlx_lm.generate.speculative_generate_step``: same arguments (``stream``
-    included, fourth and positional) and the same yields; ``drafter`` and ``adaptive`` add
-    drafting without a second model and a draft length that adapts. The sampler decides the
-    rule (:mod:`mlx_spec.rules`):
+    included, fourth and positional) and the same yields; ``drafter``, ``adaptive``, ``policy``
+    and ``acceptance`` add drafting without a second model, draft lengths that adapt, and the
+    choice of rule. The sampler decides the rule (:mod:`mlx_spec.rules`):
 
     - ``None``, a greedy sampler (``sampler.greedy``) or mlx-lm's greedy sampler: drafts are
       kept while they equal the target's argmax; the output equals the target's greedy decoding.
-    - a sampler with ``probs`` (see :func:`mlx_spec.sampling.make_sampler`): draft tokens are
-      kept by rejection sampling (:func:`mlx_spec.accept_sampled`); every emitted token has
-      exactly the distribution of sampling the target with ``sampler``.
-    - any other callable: mlx-lm's rule (a draft token is kept when the target's own sample
-      equals it), with a warning; lossless but rarely accepting at temperature > 0.
+    - any other sampler, with ``acceptance="coupled"`` (the default): the token at each text
+      position is the sampler's draw with that position's random state (:mod:`mlx_spec.keys`),
+      as mlx-lm's plain sampling draws it; drafts are kept while they equal it. The text is
+      plain sampling's with the same key or seed, whatever the drafter, ``N``, timing or
+      ``max_tokens``: the same as mlx-lm's ``generate`` gives under ``mx.random.seed``.
+    - a sampler with ``probs`` (see :func:`mlx_spec.sampling.make_sampler`) and
+      ``acceptance="residual"``: rejection sampling (:func:`mlx_spec.accept_sampled`); every
+      token has exactly the target's distribution, and the same key gives the same text for the
+      same draft lengths.
 
     Each round costs one target call and one blocking host read (the acceptance result and the
     draft tokens, together). Tokens are yielded as soon as a round is read; ``max_tokens`` and
     the EOS ids end the generation exactly, also within a round. Every cache class that mlx-lm's
     models build is supported: appending KV caches are trimmed, rotating (sliding-window) ones
     trimmed exactly, the gated delta-net layers of Qwen3-Next and Qwen3.5 models take the state
-    kept after the last kept position (:mod:`mlx_spec.recurrent`), and other recurrent ones
-    (``ArraysCache``, in hybrid models) are restored from a checkpoint, the kept tokens then
-    being fed again within the next round's target call. When the generator finishes, is closed
-    or raises, the caches hold exactly the prompt and the tokens yielded (the last one included).
+    kept after the last kept position, and other recurrent ones (``ArraysCache``, in hybrid
+    models) are restored from a checkpoint, the kept tokens then being fed again within the next
+    round's target call. When the generator finishes, is closed or raises (``KeyboardInterrupt``
+    included), the caches hold exactly the prompt and the tokens yielded (the last one included).
 
     Args:
         prompt (array): ``[L]`` integer prompt tokens, ``L >= 1``, each inside the target's
@@ -238,11 +230,11 @@ def speculative_generate_step(
         quantized_kv_start (int): cache length from which to quantize. Default: mlx-lm's.
         prompt_progress_callback (callable, optional): called with ``(processed, total)`` prompt
             tokens before and after the prefill.
-        key (array, optional): ``[2]`` uint32 key from ``mx.random.key``; the same key, models,
-            prompt and arguments (``max_tokens`` included) give the same tokens with
-            ``adaptive=False``. Default: a key drawn from ``mx.random``'s global state
-            (so ``mx.random.seed`` applies). Unused by greedy and by mlx-lm's rule (which draw
-            as mlx-lm does).
+        key (array, optional): ``[2]`` uint32 key from ``mx.random.key``: the random state
+            before the first generated token, so ``key=mx.random.key(s)`` gives the text of
+            ``mx.random.seed(s)``; ``mx.random``'s global state is left as it was. Default:
+            ``mx.random``'s global state, which the generation then advances as mlx-lm's loop
+            would. Unused by greedy.
         eos_token_ids (iterable of int, optional): end-of-sequence ids: generation ends after
             the first one emitted and acceptance never looks past it. Default: none (mlx-lm's
             ``stream_generate`` stops at them itself).
@@ -251,9 +243,14 @@ def speculative_generate_step(
             :class:`mlx_spec.drafters.PromptLookupDrafter` with its defaults) or a
             :class:`mlx_spec.drafters.Drafter`, instead of ``draft_model``. Default: ``None``.
         adaptive (bool): choose each round's number of draft tokens, up to
-            ``num_draft_tokens``, from the recent acceptance and the measured cost of a round
-            (:mod:`mlx_spec.draft_length`); ``False`` always drafts ``num_draft_tokens`` (fewer
-            when a drafter has fewer). Default: ``False``, as mlx-lm.
+            ``num_draft_tokens``, with :class:`mlx_spec.draft_length.Adaptive`; ``False`` always
+            drafts ``num_draft_tokens`` (fewer when a drafter has fewer). Default: ``False``, as
+            mlx-lm.
+        policy (DraftPolicy, optional): the draft-length policy, instead of ``adaptive``
+            (:mod:`mlx_spec.draft_length`; pass the same :class:`~mlx_spec.draft_length.Adaptive`
+            to later generations to keep what it measured). Default: from ``adaptive``.
+        acceptance (str): ``"coupled"`` or ``"residual"`` for a sampler that samples (see
+            above). Default: ``"coupled"``.
 
     Yields:
         tuple[int, array, bool]: a token, the target's ``[V]`` log-probabilities at its
@@ -285,6 +282,14 @@ def speculative_generate_step(
         raise ValueError(f"{op}: `stats` must be a SpeculativeStats or None, got {stats!r}")
     if not isinstance(adaptive, bool):
         raise ValueError(f"{op}: `adaptive` must be a bool, got {adaptive!r}")
+    if policy is not None and not isinstance(policy, DraftPolicy):
+        raise ValueError(
+            f"{op}: `policy` must be a DraftPolicy (with choose and observe), got {policy!r}"
+        )
+    if policy is not None and adaptive:
+        raise ValueError(f"{op}: give `adaptive=True` or a `policy`, not both")
+    if acceptance not in ACCEPTANCE:
+        raise ValueError(f"{op}: `acceptance` must be one of {ACCEPTANCE}, got {acceptance!r}")
     if key is not None:
         key = check_key(op, key)
     prompt_cache = check_prompt_cache(op, prompt_cache)
@@ -305,19 +310,19 @@ def speculative_generate_step(
         )
     vocab = vocab_size(model)
     ids = check_prompt(op, prompt, vocab)
+    rule = make_rule(sampler, acceptance, vocab)
 
-    rule = make_rule(sampler)
-    if rule.kind == "match":
-        _opaque_warning()
-    seed = None
     models = [model, chosen.model] if isinstance(chosen, ModelDrafter) else [model]
     group = model_group(*models)
+    keys = restore = None
     if rule.random:
         # Every rank of a group the models run on must draw the same tokens.
-        key = agree_key(op, key, group, stream=stream)
-        key, drafter_key = mx.random.split(key)
-        high, low = drafter_key.tolist()
-        seed = high << 32 | low
+        # A key leaves mx.random's state as it was (only a sampler called on it changes it).
+        restore = mx.random.state[0] if key is not None and rule.seeds else None
+        keys = KeyChain(agree_key(op, key, group, stream=stream), rule.steps, key is None)
+    if policy is None:
+        policy = Adaptive(num_draft_tokens) if adaptive and num_draft_tokens else None
+        policy = policy or Fixed(num_draft_tokens)
     quantize = make_quantizer(
         prompt_cache,
         target_cache,
@@ -326,7 +331,6 @@ def speculative_generate_step(
         kv_group_size=kv_group_size,
         quantized_kv_start=quantized_kv_start,
     )
-    text = Text(prompt.astype(mx.uint32), ids)
     device = stream if isinstance(stream, mx.Device) else stream.device
     target = Target(
         model,
@@ -337,34 +341,24 @@ def speculative_generate_step(
         vocab,
         chunked=chunks_pay(device),
     )
-    setup = DraftSetup(rule, processors, quantize, prefill_step_size, seed)
-    # Adaptive lengths start from what the last generation of the same models measured (not on
-    # a group, whose ranks must choose alike from what they measured together).
-    costs = None
-    if adaptive and group is None:
-        drafting = chosen.model if isinstance(chosen, ModelDrafter) else type(chosen)
-        costs = cost_key(model, drafting, device)
     generation = Generation(
-        text,
-        target,
-        chosen,
-        rule,
-        DraftLength(
-            num_draft_tokens,
-            adaptive,
-            chosen.free,
-            stretches=group is None,
-            kept=None if costs is None else recall(costs),
-        ),
-        eos,
-        key,
-        stats if stats is not None else SpeculativeStats(),
-        stream,
-        group,
-        costs,
+        text=Text(prompt.astype(mx.uint32), ids),
+        target=target,
+        drafter=chosen,
+        setup=DraftSetup(rule, processors, quantize, prefill_step_size),
+        rule=rule,
+        policy=policy,
+        keys=keys,
+        restore=restore,
+        eos=eos,
+        stats=stats if stats is not None else SpeculativeStats(),
+        stream=stream,
+        max_tokens=max_tokens,
+        prefill_step_size=prefill_step_size,
+        progress=prompt_progress_callback,
+        group=group,
     )
-    progress = prompt_progress_callback or (lambda *_: None)
-    return run(generation, setup, stream, max_tokens, prefill_step_size, progress)
+    return iter(generation)
 
 
 def stream_generate(
@@ -411,9 +405,9 @@ def stream_generate(
                 "stream_generate: `key` needs a draft model or a drafter (plain generation "
                 "draws from mx.random's global state)"
             )
-        for name in ("stats", "drafter", "adaptive"):
+        for name in ("stats", "drafter", "adaptive", "policy", "acceptance"):
             kwargs.pop(name, None)
-        yield from _LM_STREAM_GENERATE(model, tokenizer, prompt, max_tokens, None, stream, **kwargs)
+        yield from lm.stream_generate(model, tokenizer, prompt, max_tokens, None, stream, **kwargs)
         return
     if is_int(max_tokens) and max_tokens == 0:
         raise ValueError("stream_generate: `max_tokens` must not be 0 (use -1 for no limit)")
@@ -477,7 +471,7 @@ def stream_generate(
             stats=replace(stats),
         )
 
-    with wired_limit(model, [stream]):
+    with lm.wired_limit(model, [stream]):
         tic = time.perf_counter()
         try:
             for n, (token, logprobs, from_draft) in enumerate(tokens):

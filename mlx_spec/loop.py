@@ -1,57 +1,102 @@
 """The speculative loop: rounds of drafter -> target -> rule -> caches, one host read each.
 
-:func:`run` drives a :class:`Generation` (its text, :class:`Target`, drafter, rule and draft
-lengths) round by round and yields each token as soon as its round is read. A round:
+A :class:`Generation` owns one generation: its :class:`Text`, the :class:`Target`, the drafter,
+the rule (:mod:`mlx_spec.rules`), the draft-length policy (:mod:`mlx_spec.draft_length`) and the
+random state of every text position (:mod:`mlx_spec.keys`). Iterating it runs the generation
+and yields each token as soon as its round is read. A round:
 
-1. the drafter (:mod:`mlx_spec.drafters`) proposes up to ``N`` tokens, with the distributions
-   they were drawn from when the generation samples;
-2. the target scores the tokens it still lacks and the ``N`` drafts in one call;
-3. the rule (:mod:`mlx_spec.rules`) decides on the device how many draft tokens to keep and the
-   token after them;
-4. one host read brings back that ``[3]`` result together with the draft tokens;
-5. every cache is taken back to what was kept (:mod:`mlx_spec.caches`): trimmed where that is
-   exact, set to the state kept after the last kept position for the recurrent layers that
-   :mod:`mlx_spec.recurrent` knows, else restored from a checkpoint, the kept tokens then going
-   into the next round's call.
+1. the policy chooses ``N`` (for a free drafter, from its proposal's kind);
+2. the drafter (:mod:`mlx_spec.drafters`) proposes up to ``N`` tokens;
+3. the target scores the tokens it still lacks and the ``N`` drafts in one call;
+4. the rule decides on the device how many draft tokens to keep and the token after them;
+5. one host read brings back that ``[3]`` result together with the draft tokens;
+6. every cache is taken back to what was kept (:mod:`mlx_spec.caches`).
 
-When the generation ends, is closed or raises, the caches hold the prompt and the tokens yielded.
+``N = 0`` runs plain steps instead, each built and started before the one before is read, as
+mlx-lm's plain decoding runs, until the policy chooses to draft again. When the generation ends,
+is closed or raises (``KeyboardInterrupt`` included), the caches hold the prompt and the tokens
+yielded.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from . import kernels
+from . import _mlx_lm, kernels
 from ._checks import FLOAT_DTYPES, ID_DTYPES, describe
 from .acceptance import check_next
 from .attention import chunking
-from .caches import ModelCache, decode_masks
-from .draft_length import MAX_DRAFT_TOKENS, CostKey, DraftLength, keep
-from .drafters import Draft, Drafter, DraftSetup, Text
+from .caches import ModelCache, multi_token_calls_exact
+from .draft_length import MAX_DRAFT_TOKENS, DraftPolicy, Outcome, Round
+from .drafters import Draft, Drafter, DraftSetup
+from .keys import KeyChain, set_global_state
 from .rules import Rule
 
-__all__ = ["Generation", "SpeculativeStats", "Target", "run", "vocab_size"]
+__all__ = ["Generation", "SpeculativeStats", "Target", "Text", "vocab_size"]
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 StreamLike = mx.Stream | mx.ThreadLocalStream | mx.Device
 
-#: Plain steps a stretch runs before the draft length is chosen again (when drafting does not pay).
-#: Consecutive stretches double up to LONGEST_STRETCH, a round starting them short again: each
-#: stretch starts its pipeline anew, its first step waiting for its own host work, while a free
-#: drafter's guesses are checked at every step of a stretch, which ends at once where one pays.
-STRETCH = 8
-LONGEST_STRETCH = 64
 
-_NONE = Draft(mx.array([], dtype=mx.uint32))
+class Text:
+    """The text of one generation: the prompt, then the tokens generated so far.
+
+    The loop makes it and hands it to the drafter; ``len(text)`` is its length in tokens.
+
+    Attributes:
+        prompt (array): ``[P]`` uint32 prompt tokens.
+        generated (list of int): the tokens generated so far.
+    """
+
+    def __init__(self, prompt: mx.array, prompt_ids: list[int]) -> None:
+        self.prompt = prompt
+        self.generated: list[int] = []
+        self._prompt_ids = prompt_ids
+        self._array = prompt
+
+    def __len__(self) -> int:
+        return self.prompt.size + len(self.generated)
+
+    @property
+    def position(self) -> int:
+        """int: the text position of the next token (0 for the first generated one)."""
+        return len(self.generated)
+
+    def extend(self, tokens: list[int]) -> None:
+        """Appends generated ``tokens``."""
+        self.generated.extend(tokens)
+        self._array = None
+
+    def tokens(self, start: int, stop: int | None = None) -> mx.array:
+        """``[stop - start]`` uint32 tokens of the text (to its end without ``stop``)."""
+        stop = len(self) if stop is None else stop
+        p = self.prompt.size
+        if stop <= p:
+            return self.prompt[start:stop]
+        tail = mx.array(self.generated[max(start - p, 0) : stop - p], dtype=mx.uint32)
+        return mx.concatenate([self.prompt[start:], tail]) if start < p else tail
+
+    def array(self) -> mx.array:
+        """``[len(self)]`` uint32: the whole text (built once per round, for logits processors)."""
+        if self._array is None:
+            self._array = self.tokens(0)
+        return self._array
+
+    def ids(self, start: int, stop: int | None = None) -> list[int]:
+        """The text's tokens ``start:stop`` as Python ints (no device read)."""
+        stop = len(self) if stop is None else stop
+        p = len(self._prompt_ids)
+        head = self._prompt_ids[start:stop] if start < p else []
+        return head + self.generated[max(start - p, 0) : max(stop - p, 0)]
 
 
 @dataclass
@@ -59,12 +104,15 @@ class SpeculativeStats:
     """Counts of one speculative generation, updated as it runs.
 
     Attributes:
-        rounds (int): verification calls of the target.
+        rounds (int): calls of the target that decided tokens (verifications and plain steps).
         drafted (int): draft tokens verified, over all rounds.
         accepted (int): draft tokens the target accepted, over all rounds.
         generated (int): tokens yielded to the caller.
         replayed (int): tokens fed to the target again because its caches were restored from a
             checkpoint (models with recurrent layers), over all rounds.
+        drafted_at (list of int): for each draft position ``i`` (from 0), how many rounds drafted
+            a token there.
+        accepted_at (list of int): for each draft position ``i``, how many rounds kept it.
     """
 
     rounds: int = 0
@@ -72,6 +120,8 @@ class SpeculativeStats:
     accepted: int = 0
     generated: int = 0
     replayed: int = 0
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -82,6 +132,25 @@ class SpeculativeStats:
     def tokens_per_round(self) -> float:
         """float: ``generated / rounds``, the mean tokens a target call yields (0 before any)."""
         return self.generated / self.rounds if self.rounds else 0.0
+
+    @property
+    def acceptance_at(self) -> list[float]:
+        """list of float: for each draft position ``i``, the share of rounds drafting a token
+        there that kept it."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at, strict=True)]
+
+    def count(self, drafted: int, accepted: int) -> None:
+        """Counts a round that verified ``drafted`` tokens and kept ``accepted``."""
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        grow = drafted - len(self.drafted_at)
+        if grow > 0:
+            self.drafted_at.extend([0] * grow)
+            self.accepted_at.extend([0] * grow)
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < accepted
 
 
 def vocab_size(model: nn.Module) -> int | None:
@@ -115,24 +184,46 @@ class Target:
         self.quantized_kv_start = quantized_kv_start
         self.vocab = vocab
         self.chunked = chunked
+        self.exact_calls = multi_token_calls_exact(cache.layers)
+
+    @property
+    def processes(self) -> bool:
+        """bool: whether logits processors apply (they read the text before each position)."""
+        return bool(self.processors)
+
+    @property
+    def replays(self) -> bool:
+        """bool: whether a rejection restores the caches, whose next call then feeds the kept
+        tokens again (recurrent layers whose states are not kept per position)."""
+        return self.cache.replays
+
+    def pending(self, text: Text) -> int:
+        """The tokens of ``text`` the caches lack, which the next call scores first."""
+        return len(text) - self.cache.length
 
     def feed(self, tokens: mx.array) -> mx.array:
         """Runs the model on ``[k]`` tokens; returns its ``[k, V]`` logits (lazy)."""
-        logits = self.model(tokens[None], cache=self.cache.layers)
-        self.cache.fed(tokens.size)
+        with self.cache.feeding(tokens.size):
+            logits = self.model(tokens[None], cache=self.cache.layers)
         return logits[0]
 
     def prefill(self, text: Text, step: int) -> None:
         """Feeds all prompt tokens but the last, ``step`` at a time, quantizing as mlx-lm does."""
         while self.cache.length < len(text) - 1:
+            self.cache.checkpoint()
             self.feed(text.tokens(self.cache.length, min(self.cache.length + step, len(text) - 1)))
             self.quantize(self.cache.layers)
             mx.eval([c.state for c in self.cache.layers])
+            self.cache.forget()
 
     def room(self) -> int:
-        """How many tokens a call may feed before a cache still in full precision passes the
-        length from which mlx-lm quantizes it: mlx-lm's one-token steps switch there, so a
-        verification must not straddle it to give the same logits."""
+        """How many tokens a call may feed and give the logits that one-token steps would:
+        none but one where a cache keeps its first tokens and this mlx-lm's mask cannot show
+        them (:func:`mlx_spec.caches.multi_token_calls_exact`); and before a cache still in full
+        precision passes the length from which mlx-lm quantizes it (mlx-lm's one-token steps
+        switch there), only the tokens up to that length."""
+        if not self.exact_calls:
+            return 1
         if self.quantized_kv_start is None:
             return MAX_DRAFT_TOKENS + 1
         offsets = [c.offset for c in self.cache.layers if type(c) is KVCache]
@@ -163,8 +254,8 @@ class Target:
         # A draft id the target cannot embed is never accepted; feed a valid id in its place.
         # As uint32, a negative int32 id of a drafter of one's own is one of those too.
         fed = draft if self.vocab is None else mx.minimum(draft.astype(mx.uint32), self.vocab - 1)
-        attention = chunking() if self.chunked else nullcontext()
-        with decode_masks(self.cache.layers), self.cache.tracking(), attention:
+        attention = chunking() if self.chunked and n else nullcontext()
+        with _mlx_lm.decode_masks(self.cache.layers), self.cache.tracking(), attention:
             logits = self.feed(mx.concatenate([text.tokens(self.cache.length), fed]))[-(n + 1) :]
         if not self.processors:
             return logits
@@ -178,6 +269,14 @@ class Target:
             rows.append(row)
         return mx.concatenate(rows)
 
+    def settle(self, text: Text, length: int, feed: bool) -> None:
+        """Leaves the caches holding the first ``length`` tokens of ``text``: taken back, and fed
+        what they lack when ``feed``; every checkpoint dropped."""
+        held = self.cache.rewind(length)
+        if feed and held < length:
+            self.feed(text.tokens(held, length))
+        self.cache.forget()
+
     def keep(self, length: int, start: int) -> int:
         """Keeps ``length`` tokens of the text, or fewer where a checkpoint had to be restored;
         then quantizes as mlx-lm would. The caches can still be taken back to ``start`` (the
@@ -190,181 +289,220 @@ class Target:
 
 
 class Generation:
-    """One speculative generation: the text, the target, the drafter and the rule."""
+    """One speculative generation; iterate it for ``(token, logprobs, from_draft)``.
+
+    Args:
+        text (Text): the prompt (the text grows as the generation runs).
+        target (Target): the target model and its caches.
+        drafter (Drafter): what proposes draft tokens.
+        setup (DraftSetup): what the drafter learns when the generation starts.
+        rule (Rule): how tokens are drawn and verified.
+        policy (DraftPolicy): how many tokens each round drafts.
+        keys (KeyChain, optional): the random state of each text position (``None`` for greedy).
+        restore (array, optional): ``mx.random``'s state to leave when the generation ends, for
+            a generation given its own key whose sampler sets that state. Default: none (a chain
+            started from ``mx.random``'s state leaves the state after the last position drawn,
+            as mlx-lm's loop does).
+        eos (list of int): end-of-sequence ids: generation ends after the first one emitted.
+        stats (SpeculativeStats): filled in as the generation runs.
+        stream (Stream or Device): where the models run.
+        max_tokens (int): tokens to generate, ``-1`` for no limit.
+        prefill_step_size (int): prompt tokens per prefill call.
+        progress (callable, optional): called with ``(processed, total)`` prompt tokens before
+            and after the prefill.
+        group (Group, optional): the distributed group the models run on; its ranks must make
+            the same calls, so they choose from rank 0's times and run no stretches.
+    """
 
     def __init__(
         self,
+        *,
         text: Text,
         target: Target,
         drafter: Drafter,
+        setup: DraftSetup,
         rule: Rule,
-        lengths: DraftLength,
+        policy: DraftPolicy,
+        keys: KeyChain | None,
+        restore: mx.array | None,
         eos: list[int],
-        key: mx.array | None,
         stats: SpeculativeStats,
         stream: StreamLike,
+        max_tokens: int,
+        prefill_step_size: int = 512,
+        progress: Callable[[int, int], None] | None = None,
         group: mx.distributed.Group | None = None,
-        costs: CostKey | None = None,
     ) -> None:
         self.text = text
         self.target = target
         self.drafter = drafter
+        self.setup = setup
         self.rule = rule
-        self.lengths = lengths
-        self.eos_set = set(eos)
+        self.policy = policy
+        self.keys = keys
+        self.restore = restore
+        self.eos = set(eos)
         self.eos_array = mx.array(eos, dtype=mx.uint32) if eos else None
+        self.stats = stats
+        self.stream = stream
+        self.max_tokens = max_tokens
+        self.prefill_step_size = prefill_step_size
+        self.progress = progress or (lambda *_: None)
+        self.group = group
         # The fused kernels where the loop's stream is on a CUDA GPU (the loop never vmaps). The
         # default device would not do: a CPU stream on a CUDA machine cannot run them.
         device = stream if isinstance(stream, mx.Device) else stream.device
         self.fused = kernels.available(device)
         self.on_cpu = device.type == mx.DeviceType.cpu
-        self.key = key
-        self.stats = stats
-        # On a group, adaptive lengths are chosen from rank 0's times, which every rank reads a
-        # round late: each rank then makes the same target calls.
-        self.group = group if lengths.adaptive else None
-        #: Where what the draft lengths measured is kept for the next generation (see
-        #: :func:`mlx_spec.draft_length.cost_key`); ``None`` to keep nothing.
-        self.costs = costs
-        # The last round's counts and label, recorded with its time a round later.
-        self._unrecorded: tuple[tuple[int, int, int, int], int] | None = None
-        #: The plain steps of the next stretch (see :meth:`stretch`).
-        self.next_stretch = STRETCH
+        self._emitted = 0
+        # On a group: the last round's outcome and time, told with this round's read (_round).
+        self._unobserved: Outcome | None = None
         self._microseconds = 0
-        # A free drafter's proposal made by plan for the next round (see plan).
-        self._proposal: Draft | None = None
 
-    def plan(self, remaining: int) -> int:
-        """The number of draft tokens of the next round (0 with adaptive lengths: a stretch of
-        plain steps, see :meth:`stretch`).
+    def __iter__(self) -> Iterator[tuple[int, mx.array, bool]]:
+        """Runs the generation: yields each token, the target's ``[V]`` log-probabilities at its
+        position (lazy) and whether it came from the draft."""
+        if self.max_tokens == 0:
+            return
+        try:
+            with mx.stream(self.stream):
+                total = len(self.text)
+                self.progress(0, total)
+                self.drafter.start(self.text, self.setup)
+                self.target.prefill(self.text, self.prefill_step_size)
+                self.progress(total, total)
+            limit = self.max_tokens if self.max_tokens >= 0 else math.inf
+            while self._emitted < limit:
+                remaining = min(limit - self._emitted, 2**31)
+                with mx.stream(self.stream):
+                    n, proposal = self._plan(remaining)
+                if n == 0 and self.group is None:
+                    steps = self._stretch(remaining)
+                    while (step := self._next(steps)) is not None:
+                        self._emitted += 1
+                        self.stats.generated += 1
+                        yield step[0], step[1], False
+                    token = step
+                else:
+                    with mx.stream(self.stream):
+                        tokens, kept, logprobs = self._round(n, proposal, remaining)
+                    for i, token in enumerate(tokens):
+                        self._emitted += 1
+                        self.stats.generated += 1
+                        yield token, logprobs[i], i < kept
+                if self.text.generated and self.text.generated[-1] in self.eos:
+                    return
+        finally:
+            # Also after an error, an interrupt or a close: the caches then hold the prompt and
+            # what was yielded.
+            with mx.stream(self.stream):
+                try:
+                    self._finish(feed=True)
+                except Exception:
+                    self._finish(feed=False)
 
-        Args:
-            remaining (int): the most tokens the next round may emit, ``>= 1``.
-        """
-        pending = len(self.text) - self.target.cache.length
-        cap = max(min(remaining - 1, self.target.room() - pending), 0)
-        replays = self.target.cache.replays
-        self._proposal = None
-        if self.lengths.adaptive and self.drafter.free:
-            # A free proposal first: with nothing to propose the next tokens are plain steps, and
-            # its label tells how often such a proposal is kept. N depends on the label, which
-            # the text decides, never on the tokens drawn, so a sampled proposal stays exact
-            # (and every rank of a group, holding the same text, chooses alike).
-            proposal = self._propose(min(self.lengths.most, cap), None)
+    def _next(self, steps: Iterator[tuple[int, mx.array]]) -> tuple[int, mx.array] | None:
+        with mx.stream(self.stream):
+            return next(steps, None)
+
+    def _cap(self, remaining: int) -> int:
+        """The most draft tokens the next round may take."""
+        pending = self.target.pending(self.text)
+        return max(min(remaining - 1, self.target.room() - pending, MAX_DRAFT_TOKENS), 0)
+
+    def _plan(self, remaining: int) -> tuple[int, Draft | None]:
+        """``N`` for the next round (0: plain steps), and a free drafter's proposal."""
+        cap = self._cap(remaining)
+        if cap == 0:
+            return 0, None
+        pending = self.target.pending(self.text)
+        proposal = None
+        label = 0
+        if self.drafter.free:
+            # A free proposal first: its kind tells how often such a proposal is kept. N depends
+            # on the kind, which the text decides, never on the tokens drawn, so a sampled
+            # proposal stays exact (and every rank of a group, holding the same text, chooses
+            # alike).
+            proposal = self._propose(cap)
             if proposal.size == 0:
-                self.lengths.measuring = False
-                self.lengths.no_proposal()
-                return 0
-            self._proposal = proposal
-            return self.lengths.choose(pending, cap, replays, proposal.label)
-        return self.lengths.choose(pending, cap, replays)
+                return 0, None
+            cap, label = proposal.size, proposal.label
+        situation = Round(cap, label, pending, self.target.replays)
+        return min(self.policy.choose(situation), cap), proposal
 
-    @property
-    def stretches(self) -> bool:
-        """Whether rounds that draft nothing run as stretches of pipelined plain steps: with
-        adaptive lengths, but not on a group (whose ranks must time their rounds alike)."""
-        return self.lengths.adaptive and self.lengths.stretches
-
-    def round(self, n: int, remaining: int) -> tuple[list[int], int, mx.array]:
-        """One draft-verify round, with one host read.
-
-        Args:
-            n (int): the most draft tokens (from :meth:`plan`).
-            remaining (int): the most tokens this round may emit, ``>= 1``.
-
-        Returns:
-            tuple: the tokens to emit (at most ``remaining``; none after an EOS), how many of
-            them came from the draft, and the ``[N + 1, V]`` log-probabilities (lazy).
-        """
+    def _round(
+        self, n: int, proposal: Draft | None, remaining: int
+    ) -> tuple[list[int], int, mx.array]:
+        """One draft-verify round, with one host read: the tokens to emit (at most
+        ``remaining``; none after an EOS), how many came from the draft, and the
+        ``[N + 1, V]`` log-probabilities (lazy)."""
         start = time.perf_counter()
-        self.next_stretch = STRETCH
-        length = len(self.text)
-        pending = length - self.target.cache.length
-        draft_key = verify_key = None
-        if self.rule.random:
-            self.key, draft_key, verify_key = mx.random.split(self.key, 3)
-        if self._proposal is not None:
-            draft = self._proposal.head(n)
-        else:
-            draft = self._propose(n, draft_key)
-        # Nothing to verify: a free drafter is still asked, to measure its acceptance.
-        shadow = (
-            self._propose(1, None)
-            if draft.size == 0 and self.lengths.adaptive and self.drafter.free
-            else None
-        )
+        length, position = len(self.text), self.text.position
+        pending = self.target.pending(self.text)
+        draft = proposal.head(n) if proposal is not None else self._propose(n)
         logits = self.target.verify(self.text, draft.tokens)
+        keys = self.rule.keys(self.keys, position, draft.size, draft=False) if self.keys else None
         result, logprobs = self.rule.decide(
             logits,
             draft.tokens,
             draft.probs,
             self.eos_array,
-            verify_key,
+            keys,
             fused=self.fused,
             on_cpu=self.on_cpu,
         )
-        parts = [result, draft.tokens] + ([shadow.tokens] if shadow is not None else [])
+        parts = [result, draft.tokens]
         if self.group is not None:
+            # Every rank chooses from rank 0's time of the round before, read with this one.
             mine = self._microseconds if self.group.rank() == 0 else 0
             parts.append(mx.distributed.all_sum(mx.array([mine], mx.uint32), group=self.group))
         values = mx.concatenate(parts).tolist()  # the round's one host read
         accepted, token = values[0], values[1]
         check_next("speculative_generate_step", token)
         tokens = values[3 : 3 + accepted]
-        if not (tokens and tokens[-1] in self.eos_set):
+        if not (tokens and tokens[-1] in self.eos):
             tokens.append(token)
         tokens = tokens[:remaining]
         kept = min(accepted, len(tokens))
         self.text.extend(tokens)
         self.target.keep(length + kept, length)
         self.drafter.update(self.text, kept)
-        if shadow is not None and shadow.size:
-            self.lengths.shadow(int(values[3 + draft.size] == token), 1, shadow.label)
-        self.stats.rounds += 1
-        self.stats.drafted += draft.size
-        self.stats.accepted += accepted
+        self.stats.count(draft.size, accepted)
         self.stats.replayed += pending - 1
-        counts = (draft.size, accepted, pending + draft.size, draft.steps)
-        seconds = time.perf_counter() - start
+        outcome = Outcome(draft.size, accepted, draft.label, time.perf_counter() - start, not n)
         if self.group is None:
-            self.lengths.record(*counts, seconds, draft.label)
+            self.policy.observe(outcome)
         else:
-            if self._unrecorded is not None:
-                previous, label = self._unrecorded
-                self.lengths.record(*previous, values[-1] / 1e6, label)
-            self._unrecorded = counts, draft.label
-            self._microseconds = min(int(seconds * 1e6), 2**32 - 1)
+            # Told a round late, with rank 0's time: every rank's policy learns the same.
+            if self._unobserved is not None:
+                self.policy.observe(replace(self._unobserved, seconds=values[-1] / 1e6))
+            self._unobserved = outcome
+            self._microseconds = min(int(outcome.seconds * 1e6), 2**32 - 1)
         return tokens, kept, logprobs
 
-    def stretch(self, count: int) -> Generator[tuple[int, mx.array], None, None]:
+    def _stretch(self, count: int) -> Iterator[tuple[int, mx.array]]:
         """Up to ``count`` plain steps of the target, each built and started before the previous
         one is read, as mlx-lm's plain decoding runs: where drafting does not pay, this costs
         what plain decoding costs, where rounds of one step would each wait for their read.
 
         Each step draws its token as a round without drafts would (the same keys), so the text
-        is the one rounds would give. A free drafter's proposals are still checked against the
-        tokens (its acceptance, measured without verifying it). The next stretch is twice as long
-        (see :data:`LONGEST_STRETCH`) unless a round comes first. A right guess of a kind worth
-        verifying (:meth:`DraftLength.pays`) ends the stretch after the step already started,
-        unless the stretch measures what plain steps cost.
+        is the one rounds would give. A free drafter's guess is still checked against each token
+        (its acceptance, measured without verifying it). After each step the policy is asked
+        again; once it chooses to draft, the stretch ends after the step already started.
 
         Yields:
             tuple[int, array]: each token and its ``[V]`` log-probabilities (lazy); the stretch
             ends early after an EOS.
         """
-        start = time.perf_counter()
-        held = self.target.cache.length
-        self.stats.replayed += len(self.text) - held - 1
+        pending = self.target.pending(self.text)
+        self.stats.replayed += pending - 1
         # The text up to each step, for the processors only (else no graph grows with the steps).
-        context = self.text.array() if self.target.processors else None
-        made = 0
-        # The steps this stretch runs: fewer once a copy begins (below).
+        context = self.text.array() if self.target.processes else None
         last = count
-        replays = self.target.cache.replays
-        step = self._plain_step(self.text.tokens(held), context)
-        # When the first step was read: it waited for its own host work, which each later step
-        # hides behind the step ahead (a restart, see DraftLength.record_restart).
-        first = start
+        made = 0
+        missing = self.text.tokens(len(self.text) - pending)
+        step = self._plain_step(missing, context, self.text.position)
+        clock = time.perf_counter()
         while step is not None:
             lazy, fed, logprobs = step
             made += 1
@@ -373,75 +511,68 @@ class Generation:
                 # The next step, built on the lazy token: it computes while this one is read.
                 if context is not None:
                     context = mx.concatenate([context, fed])
-                ahead = self._plain_step(fed, context)
-            guess = self._propose(1, None) if self.drafter.free else _NONE
+                ahead = self._plain_step(fed, context, self.text.position + 1)
+            guess = self._propose(1) if self.drafter.free else None
             # The step's one read, of the token alone: a new op on it (a concatenation, say)
             # would queue behind the step ahead, and the read would wait for both.
             token = lazy.item()
-            if made == 1:
-                first = time.perf_counter()
             check_next("speculative_generate_step", token)
+            now = time.perf_counter()
+            seconds, clock = now - clock, now
             self.text.extend([token])
             # The drafter follows the text (prompt lookup's index), so the next guess is current.
             self.drafter.update(self.text, 0)
-            if guess.size:
-                right = guess.tokens.tolist()[0] == token
-                self.lengths.shadow(int(right), 1, guess.label)
-                if right and made + 1 < last and not self.lengths.measuring:
-                    if self.lengths.pays(guess.label, replays):
-                        # A copy begins: the step already started ends the stretch, and a round
-                        # drafts on from there.
-                        last = made + 1
-            self.stats.rounds += 1
+            self.stats.count(0, 0)
+            right = guess is not None and guess.size > 0 and guess.tokens.tolist()[0] == token
+            tested = guess.size if guess is not None else 0
+            label = guess.label if guess is not None else 0
+            self.policy.observe(Outcome(tested, int(right), label, seconds, True, made == 1))
             yield token, logprobs[0]
-            if token in self.eos_set:
-                break
+            if token in self.eos:
+                return
+            if ahead is not None and last == count and self._plan(count - made)[0] > 0:
+                # Drafting pays again: the step already started ends the stretch.
+                last = made + 1
             step = ahead
-        self.lengths.ran_plain(made)
-        self.lengths.record_restart(first - start)
-        if last == count:
-            # A stretch cut short is mostly its first steps, unpipelined: not what plain steps
-            # cost once they run.
-            self.lengths.record_plain((time.perf_counter() - start) / made)
-        self.next_stretch = min(2 * self.next_stretch, LONGEST_STRETCH)
 
     def _plain_step(
-        self, inputs: mx.array, context: mx.array | None
+        self, inputs: mx.array, context: mx.array | None, position: int
     ) -> tuple[mx.array, mx.array, mx.array]:
-        """One plain step, started: the lazy ``[1]`` token, the ``[1]`` id to feed next and the
-        ``[1, V]`` log-probabilities (see :meth:`Rule.step`)."""
-        key = None
-        if self.rule.random:
-            self.key, _, key = mx.random.split(self.key, 3)
+        """One plain step at text ``position``, started: the lazy ``[1]`` token, the ``[1]`` id
+        to feed next and the ``[1, V]`` log-probabilities (see :meth:`Rule.step`)."""
+        key = self.keys.states(position, 1) if self.keys is not None else None
         logits = self.target.step(inputs, context)
-        token, fed, logprobs = self.rule.step(logits, key, fused=self.fused, on_cpu=self.on_cpu)
+        token, fed, logprobs = self.rule.step(logits, key, on_cpu=self.on_cpu)
         mx.async_eval(token)
         return token, fed, logprobs
 
-    def _propose(self, n: int, key: mx.array | None) -> Draft:
+    def _propose(self, n: int) -> Draft:
         """The drafter's proposal of at most ``n`` tokens, checked: the rule decides without
         checking its arguments, so a drafter of one's own that returns something else gets a
         ``ValueError`` naming it rather than a wrong round."""
-        draft = self.drafter.propose(self.text, n, key)
+        keys = None
+        if self.keys is not None and n:
+            keys = self.rule.keys(self.keys, self.text.position, n, draft=True)
+        draft = self.drafter.propose(self.text, n, keys)
         problem = _draft_problem(draft, n)
         if problem:
             raise ValueError(
                 f"speculative_generate_step: {type(self.drafter).__name__}.propose(text, {n}, "
-                f"key) must return a Draft of at most {n} tokens, got {problem}"
+                f"keys) must return a Draft of at most {n} tokens, got {problem}"
             )
         return draft
 
-    def finish(self, consumed: int, feed: bool) -> None:
-        """Leaves every cache holding the prompt and the ``consumed`` tokens, feeding what a
-        cache lacks only when ``feed``; keeps the costs measured for the next generation."""
-        length = self.text.prompt.size + consumed
-        held = self.target.cache.rewind(length)
-        if feed and held < length:
-            self.target.feed(self.text.tokens(held, length))
-        self.target.cache.forget()
+    def _finish(self, feed: bool) -> None:
+        """Leaves every cache holding the prompt and the tokens yielded, feeding what a cache
+        lacks only when ``feed``; leaves ``mx.random``'s state as mlx-lm's loop would."""
+        length = len(self.text) - self.text.position + self._emitted
+        self.target.settle(self.text, length, feed)
         self.drafter.finish(self.text, length, feed)
-        if self.costs is not None:
-            keep(self.costs, self.lengths.measured())
+        if self.restore is not None:
+            set_global_state(self.restore)
+        elif self.keys is not None and self.keys.global_state:
+            # mlx-lm's loop draws one token ahead of the last one it yields.
+            set_global_state(self.keys.state(self._emitted + 1))
 
 
 def _draft_problem(draft: object, n: int) -> str | None:
@@ -462,57 +593,6 @@ def _draft_problem(draft: object, n: int) -> str | None:
     ):
         what = describe(probs) if isinstance(probs, mx.array) else type(probs).__name__
         return f"probs of {what} for {tokens.size} tokens (need [n, V_d] float)"
+    if isinstance(draft.label, bool) or not isinstance(draft.label, int):
+        return f"a label of {type(draft.label).__name__} (need an int)"
     return None
-
-
-def run(
-    generation: Generation,
-    setup: DraftSetup,
-    stream: StreamLike,
-    max_tokens: int,
-    prefill_step_size: int,
-    progress: Callable[[int, int], None],
-) -> Generator[tuple[int, mx.array, bool], None, None]:
-    if max_tokens == 0:
-        return
-    consumed = 0
-    total = generation.text.prompt.size
-    try:
-        with mx.stream(stream):
-            progress(0, total)
-            generation.drafter.start(generation.text, setup)
-            generation.target.prefill(generation.text, prefill_step_size)
-            progress(total, total)
-        limit = max_tokens if max_tokens >= 0 else math.inf
-        while True:
-            remaining = min(limit - consumed, 2**31)
-            with mx.stream(stream):
-                n = generation.plan(remaining)
-            if n == 0 and generation.stretches:
-                steps = generation.stretch(min(generation.next_stretch, remaining))
-                tokens: list[int] = []
-                while True:
-                    with mx.stream(stream):
-                        step = next(steps, None)
-                    if step is None:
-                        break
-                    tokens.append(step[0])
-                    consumed += 1
-                    generation.stats.generated += 1
-                    yield step[0], step[1], False
-            else:
-                with mx.stream(stream):
-                    tokens, from_draft, logprobs = generation.round(n, remaining)
-                for i, token in enumerate(tokens):
-                    consumed += 1
-                    generation.stats.generated += 1
-                    yield token, logprobs[i], i < from_draft
-            if consumed == max_tokens or (tokens and tokens[-1] in generation.eos_set):
-                return
-    finally:
-        # Also after an error or a close: the caches then hold the prompt and what was yielded.
-        with mx.stream(stream):
-            try:
-                generation.finish(consumed, feed=True)
-            except Exception:
-                generation.finish(consumed, feed=False)

@@ -19,9 +19,7 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import sys
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
@@ -29,22 +27,19 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse
 
-from . import generation
+from . import _mlx_lm, generation
+from ._mlx_lm import lm
 from .sampling import make_sampler
 
 __all__ = ["patch_mlx_lm", "unpatch_mlx_lm"]
 
-_lm_generate = importlib.import_module("mlx_lm.generate")
-_lm_sample_utils = importlib.import_module("mlx_lm.sample_utils")
-
 Sampler = generation.Sampler
 
-# mlx-lm's functions, as they were when this module was imported.
-_LM_SPECULATIVE_STEP = _lm_generate.speculative_generate_step
-_LM_STREAM_GENERATE = generation._LM_STREAM_GENERATE
-_LM_MAKE_SAMPLER = _lm_sample_utils.make_sampler
-_LM_SAMPLER_SIGNATURE = inspect.signature(_LM_MAKE_SAMPLER)
-_LM_STREAM_SIGNATURE = inspect.signature(_LM_STREAM_GENERATE)
+_LM_SAMPLER_SIGNATURE = inspect.signature(lm.make_sampler)
+_LM_STREAM_SIGNATURE = inspect.signature(lm.stream_generate)
+# Kept for the benchmarks until they take them from mlx_spec._mlx_lm.lm.
+_LM_MAKE_SAMPLER = lm.make_sampler
+_LM_SPECULATIVE_STEP = lm.speculative_generate_step
 
 _SAMPLER_MODULES = ("mlx_lm.sample_utils", "mlx_lm.generate", "mlx_lm.server")
 _STREAM_MODULES = ("mlx_lm.generate", "mlx_lm")
@@ -70,13 +65,16 @@ class _MlxLmSampler:
     def __call__(self, logprobs: mx.array) -> mx.array:
         return self.sample(logprobs)
 
+    def logits(self, logprobs: mx.array) -> mx.array:
+        return self.distribution.logits(logprobs)
+
     def probs(self, logprobs: mx.array) -> mx.array:
         return self.distribution.probs(logprobs)
 
 
 def _make_mlx_lm_sampler(*args: Any, **kwargs: Any) -> Sampler:
     """``mlx_lm.sample_utils.make_sampler`` while patched: its sampler, plus ``probs``."""
-    sample = _LM_MAKE_SAMPLER(*args, **kwargs)
+    sample = lm.make_sampler(*args, **kwargs)
     bound = _LM_SAMPLER_SIGNATURE.bind(*args, **kwargs)
     bound.apply_defaults()
     options = bound.arguments
@@ -102,7 +100,7 @@ def _stream_generate(*args: Any, **kwargs: Any) -> Generator[GenerationResponse,
             kwargs.setdefault("drafter", "prompt-lookup")
         if kwargs.get("drafter") is None:
             kwargs.pop("drafter", None)
-            return _LM_STREAM_GENERATE(*args, **kwargs)
+            return lm.stream_generate(*args, **kwargs)
     return generation.stream_generate(*args, **kwargs)
 
 
@@ -121,27 +119,25 @@ def patch_mlx_lm(*, prompt_lookup: bool = False) -> None:
     if not isinstance(prompt_lookup, bool):
         raise ValueError(f"patch_mlx_lm: `prompt_lookup` must be a bool, got {prompt_lookup!r}")
     _options["prompt_lookup"] = prompt_lookup
-    _lm_generate.speculative_generate_step = generation.speculative_generate_step
-    for name in _STREAM_MODULES:
-        module = sys.modules.get(name)
-        if module is not None and getattr(module, "stream_generate", None) is _LM_STREAM_GENERATE:
-            module.stream_generate = _stream_generate
-    for name in _SAMPLER_MODULES:
-        module = sys.modules.get(name)
-        if module is not None and getattr(module, "make_sampler", None) is _LM_MAKE_SAMPLER:
-            module.make_sampler = _make_mlx_lm_sampler
+    _mlx_lm.replace(
+        ("mlx_lm.generate",),
+        "speculative_generate_step",
+        generation.speculative_generate_step,
+        lm.speculative_generate_step,
+    )
+    _mlx_lm.replace(_STREAM_MODULES, "stream_generate", _stream_generate, lm.stream_generate)
+    _mlx_lm.replace(_SAMPLER_MODULES, "make_sampler", _make_mlx_lm_sampler, lm.make_sampler)
 
 
 def unpatch_mlx_lm() -> None:
     """Restores what :func:`patch_mlx_lm` replaced, also in mlx-lm modules imported meanwhile
     (which took the patched functions); idempotent."""
     _options["prompt_lookup"] = False
-    _lm_generate.speculative_generate_step = _LM_SPECULATIVE_STEP
-    originals = {_make_mlx_lm_sampler: _LM_MAKE_SAMPLER, _stream_generate: _LM_STREAM_GENERATE}
-    for name, module in list(sys.modules.items()):
-        if name == "mlx_lm" or name.startswith("mlx_lm."):
-            for attribute in ("make_sampler", "stream_generate"):
-                value = getattr(module, attribute, None)
-                for patched, original in originals.items():
-                    if value is patched:
-                        setattr(module, attribute, original)
+    _mlx_lm.restore_everywhere(
+        {
+            _make_mlx_lm_sampler: lm.make_sampler,
+            _stream_generate: lm.stream_generate,
+            generation.speculative_generate_step: lm.speculative_generate_step,
+        },
+        ("make_sampler", "stream_generate", "speculative_generate_step"),
+    )

@@ -2,39 +2,57 @@
 
 - ``"greedy"`` (no sampler, a greedy sampler, or mlx-lm's greedy sampler): drafters take the
   argmax and :func:`mlx_spec.accept_greedy` keeps what the target's argmax agrees with.
-- ``"sampled"`` (a sampler with ``probs``, as :func:`mlx_spec.sampling.make_sampler` makes):
-  drafters draw from ``sampler.probs`` and :func:`mlx_spec.accept_sampled` keeps draft tokens by
-  rejection sampling, so the output has exactly the target's distribution.
-- ``"match"`` (any other sampler): mlx-lm's rule, a draft token is kept when the target's own
-  sample equals it; lossless, but it keeps few drafts at temperature > 0.
+- ``"coupled"`` (any other sampler; the default): the target's token at text position ``t`` is
+  the sampler's draw with position ``t``'s random state (:mod:`mlx_spec.keys`), exactly as
+  mlx-lm's plain sampling draws it under the same seed. A draft model draws its token at ``t``
+  with the same state, and a draft token is kept while it equals the target's. The text is then
+  plain sampling's, whatever the drafter, ``N`` or timing; a deterministic draft ``d`` is kept
+  with probability ``p(d)``, and a draft model's tokens as often as the two draws agree.
+- ``"residual"`` (a sampler with ``probs``, chosen explicitly): rejection sampling
+  (:func:`mlx_spec.accept_sampled`): a draft model's token ``d`` drawn from ``q`` is kept with
+  probability ``min(1, p(d) / q(d))``, else the next token is drawn from ``norm(max(p - q, 0))``;
+  ``Σ min(p, q)`` is kept, and the output has exactly the target's distribution, but which text a
+  key gives depends on how the rounds fall. Rounds without a draft, and plain steps, draw as
+  ``"coupled"`` does.
+
+A sampler with a ``logits`` method (:class:`mlx_spec.sampling.SpecSampler`, and mlx-lm's samplers
+once :func:`mlx_spec.patch_mlx_lm` ran) draws as ``mx.random.categorical`` of those logits with
+the position's key; any other sampler is called on each row with ``mx.random``'s global state set
+to the position's state (it then draws as it would in mlx-lm's loop).
 
 Drafters draw their tokens through :meth:`Rule.draw` and the loop verifies through
-:meth:`Rule.decide`, so this is the one place that knows the three rules apart.
+:meth:`Rule.decide`, so this is the one place that knows the rules apart.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache, partial
+from functools import lru_cache
 from typing import Any, Literal
 
 import mlx.core as mx
 
-from . import kernels
-from .acceptance import _compile_per_thread, greedy_decision, greedy_token, sampled_decision
-from .sampling import SpecSampler
+from . import _mlx_lm, kernels
+from .acceptance import (
+    _compile_per_thread,
+    greedy_decision,
+    greedy_token,
+    matching_decision,
+    sampled_decision,
+)
+from .keys import KeyChain, seed_of, set_global_state
 
-__all__ = ["Rule", "make_rule"]
+__all__ = ["ACCEPTANCE", "Rule", "make_rule"]
 
 Sampler = Callable[[mx.array], mx.array]
 
-_LM_GREEDY = importlib.import_module("mlx_lm.sample_utils").greedy_sampler
+#: The rules a sampled generation may choose between.
+ACCEPTANCE = ("coupled", "residual")
 
 
-def _fit_vocab(rows: mx.array, vocab: int) -> mx.array:
-    """A drafter's ``[n, V_d]`` distributions as ``[n, V]``: zero-padded, or cut to ``V``.
+def _fit_vocab(rows: mx.array, vocab: int, fill: float = 0.0) -> mx.array:
+    """A drafter's ``[n, V_d]`` rows as ``[n, V]``: padded with ``fill``, or cut to ``V``.
 
     Mass a draft puts on ids the target lacks is rejected anyway (an id >= ``V`` is never
     accepted), and the residual over the target's ids stays exact, so cutting is lossless.
@@ -44,11 +62,22 @@ def _fit_vocab(rows: mx.array, vocab: int) -> mx.array:
         return rows
     if have > vocab:
         return rows[:, :vocab]
-    return mx.pad(rows, [(0, 0), (0, vocab - have)])
+    return mx.pad(rows, [(0, 0), (0, vocab - have)], constant_values=fill)
 
 
 def _logprobs(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _undecided(scores: mx.array) -> mx.array:
+    """``[n]`` bool: rows without a finite maximum or with a NaN (no distribution to draw from)."""
+    top = mx.max(scores, axis=-1)
+    return mx.logical_or(~mx.isfinite(top), mx.isnan(mx.sum(scores, axis=-1)))
+
+
+def _draw_key(state: mx.array) -> mx.array:
+    """The key a draw at ``state`` takes, as ``mx.random``'s key sequence hands it out."""
+    return mx.random.split(state)[1]
 
 
 @dataclass(frozen=True)
@@ -60,35 +89,82 @@ class Rule:
     key. The loop verifies through :meth:`decide`.
 
     Attributes:
-        kind (str): ``"greedy"``, ``"sampled"`` or ``"match"``.
+        kind (str): ``"greedy"``, ``"coupled"`` or ``"residual"``.
         sampler (callable, optional): the generation's sampler (``None`` for greedy).
+        steps (int): the keys one call of the sampler draws from ``mx.random``'s sequence (how
+            far apart the states of consecutive positions are). Default: ``1``.
+        vocab (int, optional): the target's vocabulary: a coupled draft is drawn over the same
+            ids as the target's token (a drafter's row padded with ``-inf`` or cut). Default:
+            the drafter's own.
     """
 
-    kind: Literal["greedy", "sampled", "match"]
+    kind: Literal["greedy", "coupled", "residual"]
     sampler: Any = None
+    steps: int = 1
+    vocab: int | None = None
 
     @property
     def random(self) -> bool:
-        """bool: whether drafting and verifying take keys (only rejection sampling does)."""
-        return self.kind == "sampled"
+        """bool: whether drafting and verifying take keys (every rule but greedy)."""
+        return self.kind != "greedy"
+
+    @property
+    def seeds(self) -> bool:
+        """bool: whether draws set ``mx.random``'s global state (a sampler that exposes neither
+        ``logits`` nor ``probs`` is called with the position's state there)."""
+        return self.kind == "coupled" and not _draws_categorical(self.sampler)
+
+    def keys(self, chain: KeyChain, position: int, n: int, *, draft: bool) -> mx.array | None:
+        """The randomness of a round from text position ``position`` with ``n`` draft tokens.
+
+        Args:
+            chain (KeyChain): the generation's states.
+            position (int): the text position of the round's first new token.
+            n (int): its draft tokens.
+            draft (bool): the drafter's keys (``[n, 2]``, one per drafted token) rather than the
+                verification's (``[N + 1, 2]`` states for ``"coupled"``, a ``[2]`` key for
+                ``"residual"``).
+
+        Returns:
+            array: uint32 keys, or ``None`` for greedy.
+        """
+        if self.kind == "greedy":
+            return None
+        if self.kind == "coupled" or n == 0:
+            return chain.states(position, n if draft else n + 1)
+        drafting, verifying = mx.random.split(_draw_key(chain.state(position)))
+        return mx.random.split(drafting, n) if draft else verifying
 
     def draw(self, logits: mx.array, key: mx.array | None) -> tuple[mx.array, mx.array | None]:
         """A drafter's token after ``logits``, the way this rule drafts.
 
         Args:
             logits (array): ``[1, V_d]`` float logits of the drafter (after logits processors).
-            key (array, optional): ``[2]`` uint32 key; used by ``"sampled"`` only.
+            key (array, optional): ``[2]`` uint32, the key :meth:`keys` gave the token's
+                position; unused by greedy.
 
         Returns:
-            tuple: the ``[1]`` uint32 token and, for ``"sampled"``, the ``[1, V_d]`` float32
+            tuple: the ``[1]`` uint32 token and, for ``"residual"``, the ``[1, V_d]`` float32
             distribution it was drawn from (``None`` otherwise); both lazy.
         """
         if self.kind == "greedy":
             return mx.argmax(logits, axis=-1).astype(mx.uint32), None
-        if self.kind == "sampled":
+        if self.kind == "residual":
             q = self.sampler.probs(_logprobs(logits))
             return mx.random.categorical(mx.log(q), key=key).astype(mx.uint32), q
-        return self.sampler(_logprobs(logits)).astype(mx.uint32), None
+        if self.vocab is not None:
+            logits = _fit_vocab(logits, self.vocab, -mx.inf)
+        return self._coupled(_logprobs(logits), key[None]), None
+
+    def _coupled(self, logprobs: mx.array, states: mx.array) -> mx.array:
+        """``[n]`` uint32: row ``i`` of ``logprobs`` (``[n, V]``) drawn with state ``states[i]``."""
+        if _draws_categorical(self.sampler):
+            return _coupled_graph(self.sampler)(logprobs, states)
+        tokens = []
+        for row, state in zip(logprobs, states.tolist(), strict=True):
+            set_global_state(mx.array(state, dtype=mx.uint32))
+            tokens.append(self.sampler(row[None]).reshape(1).astype(mx.uint32))
+        return mx.concatenate(tokens)
 
     def decide(
         self,
@@ -96,7 +172,7 @@ class Rule:
         draft: mx.array,
         draft_probs: mx.array | None,
         eos: mx.array | None,
-        key: mx.array | None,
+        keys: mx.array | None,
         *,
         fused: bool,
         on_cpu: bool,
@@ -108,9 +184,9 @@ class Rule:
             logits (array): ``[N + 1, V]`` target logits (after logits processors).
             draft (array): ``[N]`` uint32 draft tokens.
             draft_probs (array, optional): ``[N, V_d]`` distributions the draft was drawn from
-                (``None``: point masses); used by ``"sampled"`` only.
+                (``None``: point masses); used by ``"residual"`` only.
             eos (array, optional): ``[E]`` uint32 end-of-sequence ids.
-            key (array, optional): ``[2]`` uint32 key; used by ``"sampled"`` only.
+            keys (array, optional): the verification's keys from :meth:`keys`.
             fused (bool): decide with the fused CUDA kernels (where the vocabulary allows).
             on_cpu (bool): whether the default stream is on a CPU.
 
@@ -121,27 +197,23 @@ class Rule:
         logprobs = _logprobs(logits)
         if self.kind == "greedy":
             return greedy_decision(logits, draft, eos, fused=fused, on_cpu=on_cpu), logprobs
-        if self.kind == "sampled":
+        if self.kind == "residual" and draft.size:
             v = logits.shape[-1]
             q = None if draft_probs is None else _fit_vocab(draft_probs, v)
             probs = self.sampler.probs(logprobs)
             fused = fused and v <= kernels.MAX_VOCAB
-            return sampled_decision(probs, draft, q, eos, key, fused=fused), logprobs
-        # mlx-lm's rule: greedy acceptance of the one-hot rows of the target's own samples.
-        picks = self.sampler(logprobs).astype(mx.uint32)
-        one_hot = mx.arange(logits.shape[-1], dtype=mx.uint32)[None, :] == picks[:, None]
-        rows = one_hot.astype(mx.float32)
-        return greedy_decision(rows, draft, eos, fused=fused, on_cpu=on_cpu), logprobs
+            return sampled_decision(probs, draft, q, eos, keys, fused=fused), logprobs
+        tokens = self._coupled(logprobs, keys)
+        return matching_decision(tokens, _undecided(logprobs), draft, eos), logprobs
 
     def step(
-        self, logits: mx.array, key: mx.array | None, *, fused: bool, on_cpu: bool
+        self, logits: mx.array, key: mx.array | None, *, on_cpu: bool
     ) -> tuple[mx.array, mx.array, mx.array]:
         """The token of a plain step (a round without a draft), as :meth:`decide` draws it.
 
         Args:
             logits (array): ``[1, V]`` float target logits (after logits processors).
-            key (array, optional): ``[2]`` uint32 key; used by ``"sampled"`` only.
-            fused (bool): decide with the fused CUDA kernels (where the rule has them).
+            key (array, optional): ``[1, 2]`` uint32, the position's state (unused by greedy).
             on_cpu (bool): whether the default stream is on a CPU.
 
         Returns:
@@ -152,41 +224,93 @@ class Rule:
         if self.kind == "greedy":
             token, fed = greedy_token(logits, on_cpu=on_cpu)
             return token, fed, _logprobs(logits)
-        if isinstance(self.sampler, SpecSampler):
-            # Its distribution is MLX operations alone: one compiled graph costs the host less
-            # a step than building the same operations one at a time, and gives the same values.
-            return _compiled_step(self, fused, on_cpu)(logits, key)
-        return self._step(logits, key, fused=fused, on_cpu=on_cpu)
-
-    def _step(
-        self, logits: mx.array, key: mx.array | None, *, fused: bool, on_cpu: bool
-    ) -> tuple[mx.array, mx.array, mx.array]:
-        """:meth:`step` for the rules that draw: :meth:`decide` without a draft."""
-        none = mx.array([], dtype=mx.uint32)
-        result, logprobs = self.decide(logits, none, None, None, key, fused=fused, on_cpu=on_cpu)
+        logprobs = _logprobs(logits)
+        result = matching_decision(
+            self._coupled(logprobs, key), _undecided(logprobs), mx.array([], mx.uint32), None
+        )
         token = result[1:2]
         return token, mx.minimum(token, logits.shape[-1] - 1), logprobs
 
 
-@cache
-def _compiled_step(
-    rule: Rule, fused: bool, on_cpu: bool
-) -> Callable[[mx.array, mx.array | None], tuple[mx.array, mx.array, mx.array]]:
-    """``rule``'s plain step compiled (in each thread; traced again for each vocabulary)."""
-    return _compile_per_thread(partial(rule._step, fused=fused, on_cpu=on_cpu))
+def _draws_categorical(sampler: Any) -> bool:
+    """Whether ``sampler`` exposes what it draws from: ``logits`` (the scores of its
+    ``mx.random.categorical`` draw) or ``probs``."""
+    return callable(getattr(sampler, "logits", None)) or callable(getattr(sampler, "probs", None))
 
 
-def make_rule(sampler: Any) -> Rule:
+def _scores(sampler: Any, logprobs: mx.array) -> mx.array:
+    """The scores ``sampler`` draws a categorical from: its ``logits``, or its ``probs``' log."""
+    logits = getattr(sampler, "logits", None)
+    return logits(logprobs) if callable(logits) else mx.log(sampler.probs(logprobs))
+
+
+@lru_cache(maxsize=32)
+def _coupled_graph(sampler: Any) -> Callable[..., mx.array]:
+    """``(logprobs [n, V], states [n, 2]) -> [n]`` uint32: each row drawn as mlx-lm's sampler
+    draws a ``[1, V]`` row with the key its state hands out (compiled per thread)."""
+
+    def coupled(logprobs: mx.array, states: mx.array) -> mx.array:
+        rows = _scores(sampler, logprobs)
+        tokens = [
+            mx.random.categorical(rows[i : i + 1], key=_draw_key(states[i]))
+            for i in range(rows.shape[0])
+        ]
+        return mx.concatenate(tokens).astype(mx.uint32)
+
+    return _compile_per_thread(coupled)
+
+
+def _keys_per_call(sampler: Sampler) -> int:
+    """How many keys of ``mx.random``'s sequence one call of ``sampler`` draws (mlx-lm's
+    categorical draws one; with XTC, two): found by calling it once on a tiny row, ``mx.random``'s
+    state put back after. ``1`` where none of one to four matches (a sampler with keys of its
+    own): the text is then still reproducible, but not mlx-lm's."""
+    saved = mx.random.state[0]
+    probe = mx.random.key(0)
+    try:
+        set_global_state(probe)
+        sampler(mx.log(mx.array([[0.25, 0.25, 0.25, 0.25]])))
+        after = mx.random.state[0]
+        state = probe
+        for steps in range(1, 5):
+            state = mx.random.split(state)[0]
+            if seed_of(state) == seed_of(after):
+                return steps
+        return 1
+    finally:
+        set_global_state(saved)
+
+
+def make_rule(sampler: Any, acceptance: str = "coupled", vocab: int | None = None) -> Rule:
     """The rule for ``sampler`` (see the module's description).
 
     Args:
         sampler (callable, optional): maps ``[..., V]`` log-probabilities to tokens.
+        acceptance (str): ``"coupled"`` or ``"residual"`` for a sampler that samples;
+            ``"residual"`` needs one with ``probs``. Default: ``"coupled"``.
+        vocab (int, optional): the target's vocabulary (see :attr:`Rule.vocab`).
 
     Returns:
         Rule: the generation's rule.
+
+    Raises:
+        ValueError: ``acceptance`` is not one of :data:`ACCEPTANCE`, or ``"residual"`` with a
+            sampler without ``probs``.
     """
-    if sampler is None or sampler is _LM_GREEDY or getattr(sampler, "greedy", False):
+    if acceptance not in ACCEPTANCE:
+        raise ValueError(
+            f"speculative_generate_step: `acceptance` must be one of {ACCEPTANCE}, got "
+            f"{acceptance!r}"
+        )
+    if sampler is None or _mlx_lm.is_greedy_sampler(sampler) or getattr(sampler, "greedy", False):
         return Rule("greedy")
-    if callable(getattr(sampler, "probs", None)):
-        return Rule("sampled", sampler)
-    return Rule("match", sampler)
+    if acceptance == "residual":
+        if not callable(getattr(sampler, "probs", None)):
+            raise ValueError(
+                "speculative_generate_step: `acceptance='residual'` needs a sampler with `probs` "
+                "(mlx_spec.make_sampler, or mlx-lm's after patch_mlx_lm()), got "
+                f"{type(sampler).__name__}"
+            )
+        return Rule("residual", sampler, vocab=vocab)
+    steps = 1 if _draws_categorical(sampler) else _keys_per_call(sampler)
+    return Rule("coupled", sampler, steps, vocab)

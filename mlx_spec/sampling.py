@@ -211,9 +211,18 @@ class SpecSampler:
         """bool: True iff ``temp`` is 0 (the sampler takes the argmax)."""
         return self.temp == 0
 
-    def _logits(self, logprobs: mx.array) -> mx.array:
-        """The filtered, temperature-scaled ``[..., V]`` logits, in the dtype of ``logprobs`` as
-        mlx-lm computes them, or float32 where those overflow (see :meth:`probs`)."""
+    def logits(self, logprobs: mx.array) -> mx.array:
+        """The scores this sampler draws a categorical from: the filtered, temperature-scaled
+        log-probabilities, in the dtype of ``logprobs`` as mlx-lm computes them (float32 where
+        those overflow, see :meth:`probs`).
+
+        Args:
+            logprobs (array): ``[..., V]`` float32, float16 or bfloat16 log-probabilities.
+
+        Returns:
+            array: lazy ``[..., V]``: ``mx.random.categorical`` of it draws as mlx-lm's sampler
+            with the same arguments draws.
+        """
         minus_inf = mx.array(-math.inf, dtype=logprobs.dtype)
         if 0.0 < self.top_p < 1.0:
             logprobs = mx.where(top_p_mask(logprobs, self.top_p), logprobs, minus_inf)
@@ -253,7 +262,7 @@ class SpecSampler:
         _check_logprobs("SpecSampler.__call__", logprobs)
         if self.greedy:
             return mx.argmax(logprobs, axis=-1)
-        return mx.random.categorical(self._logits(logprobs))
+        return mx.random.categorical(self.logits(logprobs))
 
     def probs(self, logprobs: mx.array) -> mx.array:
         """The distribution :meth:`__call__` draws from.
@@ -278,7 +287,7 @@ class SpecSampler:
             best = mx.argmax(logprobs, axis=-1, keepdims=True)
             return (mx.arange(logprobs.shape[-1]) == best).astype(mx.float32)
         # mx.random.categorical adds float32 Gumbel noise, so it draws from this softmax.
-        return mx.softmax(self._logits(logprobs).astype(mx.float32), axis=-1)
+        return mx.softmax(self.logits(logprobs).astype(mx.float32), axis=-1)
 
 
 def make_sampler(

@@ -1,6 +1,5 @@
 """Shared test configuration: deterministic hypothesis, the ``--full`` switch for heavy runs, full
-float32 matrix products on CUDA, fresh draft-length costs for each test, and the tiny llama models
-the generation tests share."""
+float32 matrix products on CUDA, and the tiny llama models the generation tests share."""
 
 import os
 
@@ -40,16 +39,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "statistical" in item.keywords or "slow" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture(autouse=True)
-def fresh_draft_costs():
-    """Adaptive lengths keep the costs a generation measured for the next generation of the same
-    models; each test starts without them, so what it sees does not depend on the tests before
-    it (tests/test_drafters.py tests the keeping)."""
-    from mlx_spec.draft_length import forget_costs
-
-    forget_costs()
 
 
 @pytest.fixture(scope="module")

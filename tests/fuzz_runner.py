@@ -415,9 +415,9 @@ def call_speculative_generate_step(a: dict[str, Any]) -> dict[str, Any]:
 def _lm_stream(model: Any, tokenizer: Any, prompt: Any, max_tokens: int, **kwargs: Any) -> list:
     """mlx-lm's own ``stream_generate`` (no draft): the tokens of at most :data:`TAKE`
     responses."""
-    from mlx_spec.generation import _LM_STREAM_GENERATE
+    from mlx_spec._mlx_lm import lm
 
-    responses = _LM_STREAM_GENERATE(model, tokenizer, prompt, max_tokens, **kwargs)
+    responses = lm.stream_generate(model, tokenizer, prompt, max_tokens, **kwargs)
     return [r.token for r in itertools.islice(responses, TAKE)]
 
 

@@ -111,26 +111,31 @@ def test_a_plain_greedy_token_is_the_next_of_an_empty_draft(row, on_cpu):
     ],
     ids=["temp", "top-p", "top-k", "min-p"],
 )
-def test_a_plain_sampled_step_draws_the_next_of_an_empty_draft(options):
-    # The loop's sampled plain steps run Rule.decide at N = 0 compiled into one graph: with the
-    # same key, the same token as decide run op by op (so a stretch gives the text rounds would),
-    # INVALID_ROW for a row that is no distribution, and always an id the model can embed.
+def test_a_plain_sampled_step_draws_as_mlx_lms_sampler_at_the_positions_state(options):
+    # The loop's sampled plain steps (Rule.step) draw what a round without a draft draws (Rule.decide
+    # at N = 0) with the same state, which is what mlx-lm's sampler draws when mx.random's state
+    # is that state; INVALID_ROW for a row that is no distribution, and always an id the model
+    # can embed.
+    from mlx_lm.sample_utils import make_sampler as lm_make_sampler
+
     from mlx_spec.rules import make_rule
     from mlx_spec.sampling import make_sampler
 
     rule = make_rule(make_sampler(**options))
+    theirs = lm_make_sampler(**options)
     logits = mx.random.normal((1, 50), key=mx.random.key(4)) * 3
     drawn = []
     for seed in range(40):
-        key = mx.random.key(seed)
-        token, fed, logprobs = rule.step(logits, key, fused=False, on_cpu=True)
-        result, reference = rule.decide(logits, ids(), None, None, key, fused=False, on_cpu=True)
-        assert token.tolist() == [result.tolist()[1]] == fed.tolist()
+        state = mx.random.key(seed)[None]
+        token, fed, logprobs = rule.step(logits, state, on_cpu=True)
+        result, reference = rule.decide(logits, ids(), None, None, state, fused=False, on_cpu=True)
+        mx.random.seed(seed)
+        assert token.tolist() == [result.tolist()[1]] == fed.tolist() == theirs(logprobs).tolist()
         assert mx.array_equal(logprobs, reference).item()
         drawn.append(token.item())
-    assert len(set(drawn)) >= 3  # the keys matter: not one token whatever the key
+    assert len(set(drawn)) >= 3  # the states matter: not one token whatever the state
     nan_row = mx.array([[0.5, NAN, 1.0, 2.0]])
-    token, fed, _ = rule.step(nan_row, mx.random.key(0), fused=False, on_cpu=True)
+    token, fed, _ = rule.step(nan_row, mx.random.key(0)[None], on_cpu=True)
     assert token.item() >= INVALID_ROW and 0 <= fed.item() < 4
 
 

@@ -114,12 +114,28 @@ def test_chunking_leaves_other_calls_whole(case):
     assert spy.queries == [count]
 
 
-def test_chunking_installs_one_wrapper():
+def test_chunking_replaces_attention_only_while_some_thread_is_inside():
+    original = mx.fast.scaled_dot_product_attention
+    entered, leave = threading.Event(), threading.Event()
+
+    def other():
+        with chunking():
+            entered.set()
+            leave.wait()
+
     with chunking():
         installed = mx.fast.scaled_dot_product_attention
-        assert installed.chunks
-    with chunking():
-        assert mx.fast.scaled_dot_product_attention is installed
+        assert installed is not original and installed.chunks
+        with chunking():
+            assert mx.fast.scaled_dot_product_attention is installed
+        thread = threading.Thread(target=other)
+        thread.start()
+        entered.wait()
+    # The other thread is still inside: the wrapper stays until it leaves.
+    assert mx.fast.scaled_dot_product_attention is installed
+    leave.set()
+    thread.join()
+    assert mx.fast.scaled_dot_product_attention is original
 
 
 @pytest.mark.parametrize("drafting", ["prompt-lookup", "draft model"])

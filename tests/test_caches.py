@@ -4,7 +4,7 @@ Each case is a real mlx-lm model class with tiny random weights and the caches i
 ``make_prompt_cache`` gives it (or mlx-lm's ``max_kv_size`` / ``kv_bits`` options):
 
 - ``qwen3_next`` and ``qwen3_5``: hybrids of gated delta-net layers (``ArraysCache``), whose
-  state after every position of a verification is kept (:mod:`mlx_spec.recurrent`), so a
+  state after every position of a verification is kept (:mod:`mlx_spec._mlx_lm`), so a
   rejected draft needs no replay; their drafts are hybrids too;
 - ``lfm2``: a hybrid of short convolutions (``ArraysCache``), restored from a checkpoint and
   replayed after a rejected draft;
@@ -36,7 +36,8 @@ from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from tiny_models import cut, tiny_gemma3, tiny_lfm2, tiny_llama, tiny_qwen3_5, tiny_qwen3_next
 
 import mlx_spec
-from mlx_spec import caches, recurrent
+from mlx_spec import _mlx_lm as recurrent
+from mlx_spec import caches
 from mlx_spec.generation import SpeculativeStats, speculative_generate_step
 from mlx_spec.sampling import make_sampler
 
@@ -377,9 +378,9 @@ def test_negative_control_recurrent_state_not_restored_fails(monkeypatch) -> Non
     expected = joint(model, make_cache, options)
     original = caches._restore
 
-    def length_only(layer, snapshot, n):
+    def length_only(layer, snapshot):
         if caches._kind(layer) == "append":
-            original(layer, snapshot, n)
+            original(layer, snapshot)
 
     monkeypatch.setattr(caches, "_restore", length_only)
     counts = draws(model, draft, make_cache, options)

@@ -283,36 +283,42 @@ def test_one_process_has_no_group() -> None:
     assert model_group(models["target"], group=mx.distributed.init()) is None
 
 
-def test_adaptive_lookup_on_a_group_chooses_and_records_by_label(monkeypatch) -> None:
-    # On a group (here one of size 1, given as the models' group), rounds are timed a round late
-    # and there are no stretches; prompt lookup is still asked first, and each round's choice
-    # and its deferred record use its proposal's label (the matched n-gram's length, >= 1).
+def test_adaptive_lookup_on_a_group_chooses_and_learns_by_label(monkeypatch) -> None:
+    # On a group (here one of size 1, given as the models' group), each round's outcome is told a
+    # round late, with rank 0's time, and there are no stretches; prompt lookup is still asked
+    # first, and each round's choice and outcome carry its proposal's label (the matched
+    # n-gram's length, >= 1).
     from mlx_spec import generation as generation_module
-    from mlx_spec.draft_length import DraftLength
+    from mlx_spec.draft_length import Adaptive
 
     monkeypatch.setattr(generation_module, "model_group", lambda *_: mx.distributed.init())
-    chosen, recorded = [], []
-    choose, record = DraftLength.choose, DraftLength.record
+    chosen, told = [], []
+    choose, observe = Adaptive.choose, Adaptive.observe
 
-    def spy_choose(self, pending, cap, replays=False, label=0):
-        chosen.append(label)
-        return choose(self, pending, cap, replays, label)
+    def spy_choose(self, round):
+        chosen.append(round.label)
+        return choose(self, round)
 
-    def spy_record(self, drafted, accepted, fed, steps, seconds, label=0):
-        if drafted:
-            recorded.append(label)
-        return record(self, drafted, accepted, fed, steps, seconds, label)
+    def spy_observe(self, outcome):
+        told.append(outcome)
+        return observe(self, outcome)
 
-    monkeypatch.setattr(DraftLength, "choose", spy_choose)
-    monkeypatch.setattr(DraftLength, "record", spy_record)
+    monkeypatch.setattr(Adaptive, "choose", spy_choose)
+    monkeypatch.setattr(Adaptive, "observe", spy_observe)
     models = whole("pipeline")
     prompt = mx.array(TINY_PROMPT * 6)
+    stats = generation_module.SpeculativeStats()
     steps = generation_module.speculative_generate_step(
-        prompt, models["target"], drafter="prompt-lookup", adaptive=True, max_tokens=60
-    )
+        prompt, models["target"], drafter="prompt-lookup", adaptive=True, max_tokens=60,
+        stats=stats,
+    )  # fmt: skip
     tokens = [token for token, _, _ in steps]
     assert tokens == [t for t, _ in generate_step(prompt, models["target"], max_tokens=60)]
-    assert len(recorded) >= 3 and min(chosen) >= 1 and min(recorded) >= 1
+    drafted = [o.label for o in told if o.drafted]
+    assert len(drafted) >= 3 and min(chosen) >= 1 and min(drafted) >= 1
+    # Every round but the last was told, each with a time; no plain step ran.
+    assert len(told) == stats.rounds - 1 and all(o.seconds is not None for o in told)
+    assert not any(o.plain and o.first for o in told)
 
 
 def test_agree_key_without_a_group_keeps_the_callers_key() -> None:
@@ -320,12 +326,10 @@ def test_agree_key_without_a_group_keeps_the_callers_key() -> None:
     assert agree_key("op", key, None).tolist() == key.tolist()
 
 
-def test_agree_key_without_a_group_draws_as_the_loop_did() -> None:
-    # From mx.random's global state, so mx.random.seed reproduces a run without a key.
+def test_agree_key_without_a_group_takes_mx_randoms_state() -> None:
+    # The state the text positions' keys start from, so that mx.random.seed gives mlx-lm's text.
     mx.random.seed(3)
-    drawn = agree_key("op", None, None)
-    mx.random.seed(3)
-    assert drawn.tolist() == mx.random.randint(0, 2**31 - 1, (2,), dtype=mx.uint32).tolist()
+    assert agree_key("op", None, None).tolist() == mx.random.key(3).tolist()
 
 
 def test_agree_key_rejects_a_malformed_key() -> None:

@@ -2,8 +2,9 @@
 
 The first two tokens after :data:`helpers.PROMPT` are counted over fixed keys and compared with
 the exact joint distribution of sampling the target alone (``tests/first_tokens.py``), on a
-24-token llama with its first layer as draft. Negative controls (a wrong residual, a wrong
-temperature) must fail at the same sample sizes.
+24-token llama with its first layer as draft, under both rules: coupled (the default) and
+residual (rejection sampling). Negative controls (a wrong residual, positions sharing their
+randomness, a wrong temperature) must fail at the same sample sizes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from mlx_spec import rules
 from mlx_spec.acceptance import accept_sampled
 from mlx_spec.sampling import make_sampler
 
+RULES = ["coupled", "residual"]
+
 SMALL_VOCAB = 24
 
 
@@ -31,17 +34,41 @@ def joint(model, temp: float = 1.0, **filters):
     return exact_joint(model, PROMPT, SMALL_VOCAB, temp, **filters)
 
 
-def draws(model, draft, sampler, samples: int):
+def draws(model, draft, sampler, samples: int, acceptance: str = "coupled"):
     return sampled_pairs(
-        model, PROMPT, SMALL_VOCAB, samples, draft_model=draft, sampler=sampler, num_draft_tokens=2
+        model,
+        PROMPT,
+        SMALL_VOCAB,
+        samples,
+        draft_model=draft,
+        sampler=sampler,
+        num_draft_tokens=2,
+        acceptance=acceptance,
     )
 
 
-def test_first_two_tokens_have_the_target_distribution(small_pair) -> None:
+@pytest.mark.parametrize("acceptance", RULES)
+def test_first_two_tokens_have_the_target_distribution(small_pair, acceptance) -> None:
     model, draft = small_pair
     expected = joint(model)
-    counts = draws(model, draft, make_sampler(temp=1.0), 1000)
+    counts = draws(model, draft, make_sampler(temp=1.0), 1000, acceptance)
     assert chi_square_p(counts, expected) > THRESHOLD
+
+
+def test_negative_control_positions_sharing_randomness_fails(small_pair, monkeypatch) -> None:
+    # A classic bug of coupled sampling: every row of a round drawn with the round's first
+    # state, so a kept draft token and the token after it are drawn from one uniform.
+    model, draft = small_pair
+    expected = joint(model)
+    original = rules.Rule.keys
+
+    def shared(self, chain, position, n, *, draft):
+        keys = original(self, chain, position, n, draft=draft)
+        return mx.broadcast_to(keys[:1], keys.shape) if keys is not None else keys
+
+    monkeypatch.setattr(rules.Rule, "keys", shared)
+    counts = draws(model, draft, make_sampler(temp=1.0), 1000)
+    assert chi_square_p(counts, expected) < THRESHOLD
 
 
 def test_negative_control_resampling_from_the_target_fails(small_pair, monkeypatch) -> None:
@@ -56,11 +83,12 @@ def test_negative_control_resampling_from_the_target_fails(small_pair, monkeypat
         return mx.stack([result[0], token.astype(mx.uint32), result[2]])
 
     monkeypatch.setattr(rules, "sampled_decision", without_residual)
-    counts = draws(model, draft, make_sampler(temp=1.0), 1000)
+    counts = draws(model, draft, make_sampler(temp=1.0), 1000, "residual")
     assert chi_square_p(counts, expected) < THRESHOLD
 
 
 @pytest.mark.statistical
+@pytest.mark.parametrize("acceptance", RULES)
 @pytest.mark.parametrize(
     ("temp", "filters"),
     [
@@ -71,20 +99,21 @@ def test_negative_control_resampling_from_the_target_fails(small_pair, monkeypat
         (0.8, {"top_p": 0.9, "min_p": 0.05, "top_k": 8}),
     ],
 )
-def test_first_two_tokens_with_filters(small_pair, temp, filters) -> None:
+def test_first_two_tokens_with_filters(small_pair, temp, filters, acceptance) -> None:
     model, draft = small_pair
     expected = joint(model, temp, **filters)
     sampler = make_sampler(temp=temp, **filters)
-    counts = draws(model, draft, sampler, 3000)
+    counts = draws(model, draft, sampler, 3000, acceptance)
     assert chi_square_p(counts, expected) > THRESHOLD
 
 
 @pytest.mark.statistical
-def test_first_two_tokens_with_an_unrelated_draft(small_pair) -> None:
+@pytest.mark.parametrize("acceptance", RULES)
+def test_first_two_tokens_with_an_unrelated_draft(small_pair, acceptance) -> None:
     model, _ = small_pair
     expected = joint(model)
     unrelated = tiny_llama(9, vocab=SMALL_VOCAB, head=4.0)
-    counts = draws(model, unrelated, make_sampler(temp=1.0), 3000)
+    counts = draws(model, unrelated, make_sampler(temp=1.0), 3000, acceptance)
     assert chi_square_p(counts, expected) > THRESHOLD
 
 

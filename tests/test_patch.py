@@ -203,12 +203,13 @@ def test_patch_and_unpatch_are_idempotent_and_exact() -> None:
     ) == originals
 
 
-def test_patched_mlx_lm_command_accepts_by_rejection_sampling(
+def test_patched_mlx_lm_command_keeps_every_draft_of_the_target_itself(
     patched, target, monkeypatch, capsys
 ) -> None:
     # `mlx_lm.generate` (the command) with the target as its own draft at temperature 1: mlx-lm's
-    # main builds its sampler with the patched make_sampler, so mlx-spec rejection-samples, and
-    # with p == q every draft token is kept.
+    # main builds its sampler with the patched make_sampler, whose logits mlx-spec draws each
+    # position from with that position's key; the draft draws the target's own token, so every
+    # draft token is kept.
     class Tok(ByteTokenizer):
         vocab_size = 256
 
@@ -220,21 +221,21 @@ def test_patched_mlx_lm_command_accepts_by_rejection_sampling(
         return (target, tokenizer, {}) if kwargs.get("return_config") else (target, tokenizer)
 
     rounds = []
-    original_round = loop.Generation.round
+    original_round = loop.Generation._round
 
-    def counted_round(self, n, remaining):
-        out = original_round(self, n, remaining)
-        rounds.append((self.rule.kind, self.lengths.most, out[1]))
+    def counted_round(self, n, proposal, remaining):
+        out = original_round(self, n, proposal, remaining)
+        rounds.append((self.rule.kind, self.policy.n, out[1]))
         return out
 
     monkeypatch.setattr(lm_generate, "load", load)
-    monkeypatch.setattr(loop.Generation, "round", counted_round)
+    monkeypatch.setattr(loop.Generation, "_round", counted_round)
     argv = "mlx_lm.generate --model m --draft-model d --num-draft-tokens 4 --temp 1.0"
     argv += " --max-tokens 21 --seed 0 --ignore-chat-template --prompt hello"
     monkeypatch.setattr(sys, "argv", argv.split())
     lm_generate.main()
     assert capsys.readouterr().out
-    assert rounds and {mode for mode, _, _ in rounds} == {"sampled"}
+    assert rounds and {mode for mode, _, _ in rounds} == {"coupled"}
     # Every draft token kept, and no round drafts more than the tokens left after its own.
     assert all(from_draft == min(n, 20 - 5 * i) for i, (_, n, from_draft) in enumerate(rounds))
 

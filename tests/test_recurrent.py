@@ -13,7 +13,7 @@ from mlx_lm.models import gated_delta
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import tiny_lfm2, tiny_llama, tiny_qwen3_5, tiny_qwen3_next
 
-from mlx_spec import recurrent
+from mlx_spec import _mlx_lm as recurrent
 from mlx_spec.caches import ModelCache
 
 BUILDERS = {"qwen3_next": tiny_qwen3_next, "qwen3_5": tiny_qwen3_5}

@@ -1,0 +1,681 @@
+"""Everything mlx-spec takes from the private side of mlx-lm and MLX, in one place.
+
+mlx-lm changes every few weeks. What it exposes (``make_prompt_cache``, a cache's ``state`` and
+``trim``, ``generate_step``) is a contract; what it keeps private is not. Each use of the private
+side lives here, behind a probe that checks, once, that it still holds for the installed
+versions, with a fallback that stays exact and one warning naming what the fallback costs:
+
+- **Rotating caches** (``RotatingKVCache._idx``, ``_temporal_order``): trimmed in place after a
+  rejected draft. Fallback: restored from a checkpoint and the kept tokens fed again (a replay).
+- **Rotating caches that keep their first tokens** (a per-instance ``make_mask``): a call of
+  several tokens sees what one-token steps see. Fallback: no draft on such a model (plain steps).
+- **Gated delta-net states** (``gated_delta._gated_delta_step_ops``, each model module's
+  ``gated_delta_update``, a layer's ``conv1d`` class): the state after every position of a
+  verification is kept. Fallback: a replay after a rejection.
+- **Snapshots**: a cache is checkpointed through its ``state`` where that holds everything it
+  keeps, else through its attributes (always exact; no warning).
+- **Caches of a model's own** (deepseek-v4's ``LayerCache``, matched by name): restored from a
+  checkpoint.
+- **Chunked attention** (``mx.fast.scaled_dot_product_attention``): replaced only while a
+  verification that asks for it runs, and restored after the last one. Fallback: unchunked.
+- **mlx-lm's own functions** (``stream_generate``, ``speculative_generate_step``,
+  ``make_sampler``, ``greedy_sampler``, ``maybe_quantize_kv_cache``): kept as they were at
+  import, for the patch to replace and restore, and for the benchmarks to compare with.
+
+:func:`report` runs every probe and says which hold (``python -m mlx_spec._mlx_lm``).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import RotatingKVCache
+
+__all__ = [
+    "Positions",
+    "decode_masks",
+    "is_greedy_sampler",
+    "lm",
+    "report",
+    "restore",
+    "rotating_held",
+    "rotating_masks",
+    "rotating_trim",
+    "rotating_trims",
+    "scoped_attention",
+    "snapshot",
+    "track",
+    "tracking",
+]
+
+_warned: set[str] = set()
+_warn_lock = threading.Lock()
+
+
+def _lost(what: str, why: BaseException | str) -> None:
+    """Warns once per ``what`` that a probe failed and its fallback runs."""
+    with _warn_lock:
+        if what in _warned:
+            return
+        _warned.add(what)
+    warnings.warn(
+        f"mlx-spec: this mlx-lm ({_version()}) changed what {what} relies on ({why}); "
+        "falling back to a slower path that gives the same tokens",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return f"mlx-lm {version('mlx-lm')}, mlx {mx.__version__}"
+    except Exception:  # metadata missing: an editable or vendored copy
+        return f"mlx {mx.__version__}"
+
+
+# --- mlx-lm's own functions ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Originals:
+    """mlx-lm's functions as they were when mlx-spec was imported (before any patch).
+
+    Attributes:
+        stream_generate (callable): ``mlx_lm.generate.stream_generate``.
+        speculative_generate_step (callable): ``mlx_lm.generate.speculative_generate_step``.
+        generate_step (callable): ``mlx_lm.generate.generate_step``.
+        make_sampler (callable): ``mlx_lm.sample_utils.make_sampler``.
+        greedy_sampler (callable, optional): ``mlx_lm.sample_utils.greedy_sampler``.
+        maybe_quantize_kv_cache (callable): swaps a model's caches for quantized ones past a
+            length (mlx-lm's, or an equivalent through the caches' ``to_quantized``).
+        generation_stream (Stream): the stream mlx-lm generates on.
+        wired_limit (callable): mlx-lm's context that wires the model's memory (or none).
+        quantized_kv_start (int): mlx-lm's default ``quantized_kv_start``.
+    """
+
+    stream_generate: Callable[..., Any]
+    speculative_generate_step: Callable[..., Any]
+    generate_step: Callable[..., Any]
+    make_sampler: Callable[..., Any]
+    greedy_sampler: Callable[..., Any] | None
+    maybe_quantize_kv_cache: Callable[..., Any]
+    generation_stream: Any
+    wired_limit: Callable[..., Any]
+    quantized_kv_start: int
+
+
+def _quantize_kv_cache(
+    prompt_cache: list[Any], quantized_kv_start: int, kv_group_size: int, kv_bits: int | None
+) -> None:
+    """mlx-lm's ``maybe_quantize_kv_cache`` through the public ``to_quantized`` alone."""
+    if kv_bits is None:
+        return
+    for i, layer in enumerate(prompt_cache):
+        if hasattr(layer, "to_quantized") and layer.offset >= quantized_kv_start:
+            prompt_cache[i] = layer.to_quantized(group_size=kv_group_size, bits=kv_bits)
+
+
+def _originals() -> _Originals:
+    generate = importlib.import_module("mlx_lm.generate")
+    samplers = importlib.import_module("mlx_lm.sample_utils")
+    quantize = getattr(generate, "maybe_quantize_kv_cache", None)
+    if quantize is None:
+        quantize = _quantize_kv_cache
+    return _Originals(
+        stream_generate=generate.stream_generate,
+        speculative_generate_step=generate.speculative_generate_step,
+        generate_step=generate.generate_step,
+        make_sampler=samplers.make_sampler,
+        greedy_sampler=getattr(samplers, "greedy_sampler", None),
+        maybe_quantize_kv_cache=quantize,
+        generation_stream=getattr(generate, "generation_stream", None)
+        or mx.new_stream(mx.default_device()),
+        wired_limit=getattr(generate, "wired_limit", lambda *args, **kwargs: nullcontext()),
+        quantized_kv_start=getattr(generate, "DEFAULT_QUANTIZED_KV_START", 5000),
+    )
+
+
+#: mlx-lm's functions as they were when mlx-spec was first imported.
+lm = _originals()
+
+
+def is_greedy_sampler(sampler: Any) -> bool:
+    """Whether ``sampler`` is mlx-lm's greedy sampler (``make_sampler(temp=0)``'s)."""
+    return lm.greedy_sampler is not None and sampler is lm.greedy_sampler
+
+
+def replace(modules: tuple[str, ...], name: str, value: Any, original: Any) -> None:
+    """Sets ``name`` to ``value`` in each loaded module of ``modules`` that holds ``original``."""
+    for module_name in modules:
+        module = sys.modules.get(module_name)
+        if module is not None and getattr(module, name, None) is original:
+            setattr(module, name, value)
+
+
+def restore_everywhere(replacements: dict[Any, Any], names: tuple[str, ...]) -> None:
+    """Puts back each original of ``replacements`` (``{replacement: original}``) wherever an
+    mlx-lm module holds the replacement under one of ``names``, also in modules imported after
+    the replacement (which took it)."""
+    for module_name, module in list(sys.modules.items()):
+        if module_name == "mlx_lm" or module_name.startswith("mlx_lm."):
+            for name in names:
+                value = getattr(module, name, None)
+                for patched, original in replacements.items():
+                    if value is patched:
+                        setattr(module, name, original)
+
+
+# --- rotating caches -------------------------------------------------------------------------
+
+
+def rotating_held(layer: RotatingKVCache) -> int:
+    """The entries of a rotating buffer that hold tokens."""
+    if layer.keys is None:
+        return 0
+    size = layer.keys.shape[2]
+    return size if layer._idx == size or layer._idx < layer.offset else layer._idx
+
+
+def rotating_trim(layer: RotatingKVCache, n: int) -> None:
+    """Drops the newest ``n`` tokens of a rotating buffer by putting it in temporal order and
+    cutting it (exact where :func:`mlx_spec.caches` says so)."""
+    held = rotating_held(layer)
+    layer.keys = layer._temporal_order(layer.keys)[..., : held - n, :]
+    layer.values = layer._temporal_order(layer.values)[..., : held - n, :]
+    layer.offset -= n
+    layer._idx = held - n
+
+
+def _rotating_feed(layer: RotatingKVCache, values: list[float]) -> None:
+    x = mx.array(values, dtype=mx.float32).reshape(1, 1, len(values), 1)
+    layer.update_and_fetch(x, x)
+
+
+def _in_order(layer: RotatingKVCache) -> list[float]:
+    return layer._temporal_order(layer.keys)[0, 0, :, 0].tolist()
+
+
+@cache
+def rotating_trims() -> bool:
+    """Whether this mlx-lm's rotating buffer is laid out as :func:`rotating_trim` assumes:
+    after one-token steps that wrap it and a call of several tokens, trimming gives the buffer
+    that the shorter call leaves."""
+    try:
+        probe, shorter = RotatingKVCache(max_size=4, keep=1), RotatingKVCache(max_size=4, keep=1)
+        for layer in (probe, shorter):
+            for token in range(6):
+                _rotating_feed(layer, [float(token)])
+        _rotating_feed(probe, [6.0, 7.0, 8.0])
+        _rotating_feed(shorter, [6.0])
+        rotating_trim(probe, 2)
+        if probe.offset != shorter.offset or _in_order(probe)[-4:] != _in_order(shorter)[-4:]:
+            raise AssertionError(f"trimmed to {_in_order(probe)}, not {_in_order(shorter)}")
+        return True
+    except Exception as error:
+        _lost("trimming a rotating (sliding-window) cache in place", error)
+        return False
+
+
+def _decode_mask(
+    layer: RotatingKVCache, n: int, window_size: int | None = None, return_array: bool = False
+) -> Any:
+    """The mask of ``n`` new tokens that gives each of them, in a rotating cache with
+    ``keep > 0``, the context of a one-token step: the ``keep`` first tokens and the newest
+    others.
+
+    mlx-lm's mask for several tokens is a plain sliding window over the buffer, which hides the
+    kept tokens from the later queries and shows them older ones instead; one token at a time
+    (how plain decoding runs) sees the kept ones. Falls back to mlx-lm's mask where the two agree
+    or where a window narrower than the buffer applies.
+    """
+    if n == 1 or (window_size is not None and window_size != layer.max_size):
+        return RotatingKVCache.make_mask(layer, n, window_size, return_array)
+    held = rotating_held(layer)
+    # The buffer after this call (mlx-lm's _update_concat): the kept tokens, the newest old ones,
+    # then the new ones; by absolute position.
+    old = held - max(held - layer.max_size + 1, 0)
+    keep = min(layer.keep, old)
+    positions = mx.concatenate(
+        [
+            mx.arange(keep),
+            mx.arange(layer.offset - (old - keep), layer.offset),
+            mx.arange(layer.offset, layer.offset + n),
+        ]
+    )
+    queries = mx.arange(layer.offset, layer.offset + n)[:, None]
+    recent = positions[None, :] > queries - (layer.max_size - layer.keep)
+    kept = positions[None, :] < layer.keep
+    return mx.logical_and(mx.logical_or(recent, kept), positions[None, :] <= queries)
+
+
+def _attend(layer: RotatingKVCache, tokens: list[float], mask: Any) -> list[float]:
+    """One head of attention over ``layer`` for queries of ``tokens``: each output is the mean
+    position (a key's value) the query sees, weighing every visible key alike."""
+    x = mx.array(tokens, dtype=mx.float32).reshape(1, 1, len(tokens), 1)
+    keys, values = layer.update_and_fetch(x, x)
+    out = mx.fast.scaled_dot_product_attention(x * 0, keys, values, scale=1.0, mask=mask)
+    return out[0, 0, :, 0].tolist()
+
+
+@cache
+def rotating_masks() -> bool:
+    """Whether, for a rotating cache that keeps its first tokens, :func:`_decode_mask` gives a
+    call of several tokens what one-token steps see (mlx-lm's buffer layout and mask hook)."""
+    try:
+        steps, call = RotatingKVCache(max_size=4, keep=1), RotatingKVCache(max_size=4, keep=1)
+        for layer in (steps, call):
+            for token in range(6):
+                _rotating_feed(layer, [float(token)])
+        one_at_a_time = [
+            _attend(steps, [t], steps.make_mask(1, return_array=True)) for t in (6.0, 7.0, 8.0)
+        ]
+        with decode_masks([call]):
+            together = _attend(call, [6.0, 7.0, 8.0], call.make_mask(3))
+        got = [round(v, 4) for v in together]
+        want = [round(v[0], 4) for v in one_at_a_time]
+        if got != want:
+            raise AssertionError(f"a call saw {got}, one-token steps {want}")
+        return True
+    except Exception as error:
+        _lost("giving a sliding-window cache that keeps its first tokens a verification", error)
+        return False
+
+
+@contextmanager
+def decode_masks(layers: list[Any]) -> Iterator[None]:
+    """Within it, calls of several tokens see in every rotating cache of ``layers`` with
+    ``keep > 0`` the context that one-token steps would (see :func:`_decode_mask`)."""
+    rotating = [c for c in layers if isinstance(c, RotatingKVCache) and c.keep > 0]
+    for layer in rotating:
+        layer.make_mask = lambda *args, layer=layer, **kwargs: _decode_mask(layer, *args, **kwargs)
+    try:
+        yield
+    finally:
+        for layer in rotating:
+            del layer.make_mask
+
+
+# --- snapshots ---------------------------------------------------------------------------------
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` with every array held through a new object and containers copied: an array that
+    a cache overwrites in place (``a[i] = x`` rebinds the array object) then leaves the copy as
+    it was."""
+    if isinstance(value, mx.array):
+        return copy.copy(value)
+    if isinstance(value, list):
+        return [_frozen(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _frozen(v) for k, v in value.items()}
+    return value
+
+
+def snapshot(layer: Any) -> tuple[str, Any]:
+    """What restores ``layer`` exactly: its ``state`` (and ``meta_state``) where those set every
+    attribute it keeps, else its attributes (always exact)."""
+    names = frozenset(vars(layer))
+    if _state_covers(layer, names):
+        meta = layer.meta_state if hasattr(layer, "meta_state") else None
+        return "state", _frozen((layer.state, meta))
+    return "vars", _frozen(vars(layer))
+
+
+_covers: dict[tuple[type, frozenset[str]], bool] = {}
+
+
+def _state_covers(layer: Any, names: frozenset[str]) -> bool:
+    """Whether setting ``layer``'s state on a bare instance sets all of ``names`` (decided on the
+    first cache of its class and attributes, then remembered)."""
+    key = (type(layer), names)
+    if key not in _covers:
+        try:
+            prop = getattr(type(layer), "state", None)
+            if not isinstance(prop, property) or prop.fset is None:
+                raise AttributeError("state cannot be set")
+            clone = type(layer).__new__(type(layer))
+            clone.state = layer.state
+            if hasattr(layer, "meta_state"):
+                clone.meta_state = layer.meta_state
+            _covers[key] = set(vars(clone)) == set(names)
+        except Exception:  # a state that cannot be set back: take the attributes
+            _covers[key] = False
+    return _covers[key]
+
+
+def restore(layer: Any, saved: tuple[str, Any]) -> None:
+    """Puts ``layer`` back as :func:`snapshot` saw it."""
+    how, value = saved
+    if how == "state":
+        state, meta = _frozen(value)
+        layer.state = state
+        if meta is not None:
+            layer.meta_state = meta
+    else:
+        vars(layer).clear()
+        vars(layer).update(_frozen(value))
+
+
+#: Cache classes that models define for themselves and that a checkpoint restores (every update
+#: rebinds their attributes), matched by name since their modules are optional.
+RESTORED_BY_NAME = frozenset({"LayerCache"})
+
+
+# --- gated delta-net states ------------------------------------------------------------------
+
+_local = threading.local()
+
+
+@dataclass
+class Positions:
+    """What one gated delta-net layer's cache holds after each position of one call.
+
+    Attributes:
+        conv_input (array): ``[B, K - 1 + S, C]``: the convolution's state before the call
+            followed by the rows of the ``S`` tokens fed.
+        states (list): ``S`` arrays ``[B, Hv, Dv, Dk]``: the recurrent state after each token.
+    """
+
+    conv_input: mx.array
+    states: list[mx.array] = field(default_factory=list)
+
+    def after(self, count: int) -> list[mx.array]:
+        """The layer's cache entries ``[conv state, recurrent state]`` after ``count`` tokens of
+        the call, ``1 <= count <= S``."""
+        width = self.conv_input.shape[1] - len(self.states)
+        return [mx.contiguous(self.conv_input[:, count : count + width]), self.states[count - 1]]
+
+
+def _layer_classes() -> tuple[type, ...]:
+    """The layer classes whose call this module knows: the state lives in ``cache[0]`` (the
+    convolution's last ``K - 1`` input rows) and ``cache[1]`` (``gated_delta_update``'s)."""
+    from mlx_lm.models import qwen3_5, qwen3_next
+
+    return (qwen3_next.Qwen3NextGatedDeltaNet, qwen3_5.GatedDeltaNet)
+
+
+def _recording() -> list[Positions] | None:
+    return getattr(_local, "records", None)
+
+
+@cache
+def _noting(conv_class: type) -> type:
+    """A subclass of ``conv_class`` that notes its input while :func:`tracking` runs."""
+
+    def __call__(self: nn.Module, x: mx.array) -> mx.array:
+        records = _recording()
+        if records is not None:
+            records.append(Positions(x))
+        return conv_class.__call__(self, x)
+
+    return type(conv_class.__name__, (conv_class,), {"__call__": __call__, "_notes": True})
+
+
+def _noting_step(step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` (mlx-lm's one-position recurrence), noting each state it makes for the layer
+    whose call :func:`_stepwise` runs."""
+
+    def noted(*args: Any, **kwargs: Any) -> tuple[mx.array, mx.array]:
+        y, state = step(*args, **kwargs)
+        positions = getattr(_local, "noting", None)
+        if positions is not None:
+            positions.states.append(state)
+        return y, state
+
+    noted.notes = True
+    noted.unnoted = step
+    return noted
+
+
+def _stepwise(update: Callable[..., Any]) -> Callable[..., Any]:
+    """``update`` (mlx-lm's ``gated_delta_update``), each position's state noted beside the
+    layer's convolution input while :func:`tracking` runs."""
+
+    def gated_delta_update(
+        q: mx.array,
+        k: mx.array,
+        v: mx.array,
+        a: mx.array,
+        b: mx.array,
+        A_log: mx.array,  # mlx-lm's argument names
+        dt_bias: mx.array,
+        state: mx.array | None = None,
+        mask: mx.array | None = None,
+        **options: Any,
+    ) -> tuple[mx.array, mx.array]:
+        records = _recording()
+        if records is None or not records or records[-1].states:
+            return update(q, k, v, a, b, A_log, dt_bias, state, mask, **options)
+        positions = records[-1]
+        _local.noting = positions
+        try:
+            out = update(q, k, v, a, b, A_log, dt_bias, state, mask, **options)
+        finally:
+            _local.noting = None
+        if len(positions.states) == q.shape[1]:
+            return out
+        # A kernel made only the last state: that call, lazy, is dropped unevaluated.
+        positions.states.clear()
+        ys = []
+        for t in range(q.shape[1]):
+            position = slice(t, t + 1)
+            y, state = update(
+                q[:, position],
+                k[:, position],
+                v[:, position],
+                a[:, position],
+                b[:, position],
+                A_log,
+                dt_bias,
+                state,
+                None if mask is None else mask[:, position],
+                **options,
+            )
+            ys.append(y)
+            positions.states.append(state)
+        return mx.concatenate(ys, axis=1), state
+
+    gated_delta_update.stepwise = True
+    gated_delta_update.unwrapped = update
+    return gated_delta_update
+
+
+def _install(layers: list[nn.Module]) -> None:
+    """Makes ``layers`` (gated delta-net layers) record their states within :func:`tracking`."""
+    from mlx_lm.models import gated_delta
+
+    step = gated_delta._gated_delta_step_ops
+    if not getattr(step, "notes", False):
+        gated_delta._gated_delta_step_ops = _noting_step(step)
+    for layer in layers:
+        module = sys.modules[type(layer).__call__.__module__]
+        if not getattr(module.gated_delta_update, "stepwise", False):
+            module.gated_delta_update = _stepwise(module.gated_delta_update)
+        if not getattr(layer.conv1d, "_notes", False):
+            layer.conv1d.__class__ = _noting(type(layer.conv1d))
+
+
+def _uninstall(layers: list[nn.Module]) -> None:
+    for layer in layers:
+        if getattr(layer.conv1d, "_notes", False):
+            layer.conv1d.__class__ = type(layer.conv1d).__bases__[0]
+
+
+def _tracked_layer_works(layer: nn.Module) -> None:
+    """Raises unless ``layer``, called on three positions within :func:`tracking`, records the
+    states that three one-position calls leave (checked on a fresh cache)."""
+    from mlx_lm.models.cache import ArraysCache
+
+    x = mx.random.normal((1, 3, layer.hidden_size), key=mx.random.key(0)) * 0.1
+    whole, steps = ArraysCache(size=2), ArraysCache(size=2)
+    with tracking() as records:
+        layer(x, cache=whole)
+    for t in range(3):
+        layer(x[:, t : t + 1], cache=steps)
+    if len(records) != 1 or len(records[0].states) != 3:
+        raise AssertionError(f"recorded {[len(r.states) for r in records]} states, not [3]")
+    kept = records[0].after(3)
+    for mine, theirs in zip(kept, steps.cache, strict=True):
+        scale = float(mx.abs(theirs).max().item()) or 1.0
+        if float(mx.abs(mine.astype(mx.float32) - theirs.astype(mx.float32)).max()) > 1e-2 * scale:
+            raise AssertionError("the recorded states are not the one-position states")
+
+
+_track_lock = threading.Lock()
+
+
+def track(model: nn.Module) -> int:
+    """Makes ``model``'s gated delta-net layers record their states within :func:`tracking`.
+
+    Idempotent, and changes nothing outside :func:`tracking`. The first time a model is
+    tracked, one of its layers is checked on three positions (:func:`_tracked_layer_works`);
+    where that fails, nothing is tracked and a warning says so once.
+
+    Args:
+        model (nn.Module): any mlx-lm model.
+
+    Returns:
+        int: how many of its layers are tracked (``0`` for a model without such layers, or
+        where the check failed).
+    """
+    try:
+        classes = _layer_classes()
+    except (ImportError, AttributeError) as error:
+        _lost("keeping gated delta-net states", error)
+        return 0
+    layers = [m for m in model.modules() if isinstance(m, classes)]
+    if not layers:
+        return 0
+    with _track_lock:
+        try:
+            _install(layers)
+            if not getattr(model, "_mlx_spec_tracked", False):
+                _tracked_layer_works(layers[0])
+        except Exception as error:
+            _uninstall(layers)
+            _lost("keeping gated delta-net states", error)
+            return 0
+        object.__setattr__(model, "_mlx_spec_tracked", True)
+    return len(layers)
+
+
+@contextmanager
+def tracking() -> Iterator[list[Positions]]:
+    """Within it, on this thread, each call of a tracked layer (see :func:`track`) appends its
+    :class:`Positions` to the list it gives, in the order the layers run."""
+    previous = _recording()
+    records: list[Positions] = []
+    _local.records = records
+    try:
+        yield records
+    finally:
+        _local.records = previous
+
+
+# --- attention ---------------------------------------------------------------------------------
+
+_attention_lock = threading.Lock()
+_attention_users = 0
+_attention_original: Callable[..., mx.array] | None = None
+
+
+@contextmanager
+def scoped_attention(wrap: Callable[[Callable[..., mx.array]], Callable[..., mx.array]]):
+    """Within it, ``mx.fast.scaled_dot_product_attention`` is ``wrap(original)`` (mlx-lm's
+    models look it up at every call); MLX's own is put back when the last user leaves.
+
+    ``wrap``'s function must do what the original does outside the thread and calls it means
+    to change: other threads may attend meanwhile.
+    """
+    global _attention_users, _attention_original
+    with _attention_lock:
+        if _attention_users == 0:
+            _attention_original = mx.fast.scaled_dot_product_attention
+            mx.fast.scaled_dot_product_attention = wrap(_attention_original)
+        _attention_users += 1
+    try:
+        yield
+    finally:
+        with _attention_lock:
+            _attention_users -= 1
+            if _attention_users == 0:
+                mx.fast.scaled_dot_product_attention = _attention_original
+                _attention_original = None
+
+
+# --- the report --------------------------------------------------------------------------------
+
+
+def _tiny_delta_net() -> nn.Module:
+    """A qwen3-next model of two tiny layers (a gated delta-net and attention), for the report."""
+    from mlx_lm.models import qwen3_next
+
+    args = qwen3_next.ModelArgs(
+        model_type="qwen3_next",
+        hidden_size=16,
+        num_hidden_layers=2,
+        intermediate_size=32,
+        num_attention_heads=2,
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_experts=0,
+        num_experts_per_tok=0,
+        decoder_sparse_step=1,
+        shared_expert_intermediate_size=0,
+        mlp_only_layers=[0, 1],
+        moe_intermediate_size=0,
+        rms_norm_eps=1e-6,
+        vocab_size=16,
+        num_key_value_heads=1,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.5,
+        max_position_embeddings=64,
+        head_dim=8,
+        full_attention_interval=2,
+    )
+    return qwen3_next.Model(args)
+
+
+def report() -> dict[str, bool]:
+    """Runs every probe on tiny inputs (each warns once where it fails).
+
+    Returns:
+        dict: for each use of mlx-lm's private side, whether it holds for the installed mlx-lm.
+    """
+    from mlx_lm.models.cache import ArraysCache
+
+    arrays = ArraysCache(size=2)
+    rotating = RotatingKVCache(max_size=4)
+    return {
+        "rotating caches trimmed in place": rotating_trims(),
+        "rotating caches that keep tokens verified in one call": rotating_masks(),
+        "gated delta-net states kept": track(_tiny_delta_net()) == 1,
+        "ArraysCache snapshots through state": snapshot(arrays)[0] == "state",
+        "RotatingKVCache snapshots through state": snapshot(rotating)[0] == "state",
+        "mlx-lm's functions found": lm.greedy_sampler is not None,
+    }
+
+
+if __name__ == "__main__":
+    results = report()
+    for what, holds in results.items():
+        print(f"{'holds' if holds else 'FAILS'}  {what}")
+    sys.exit(0 if all(results.values()) else 1)

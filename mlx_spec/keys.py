@@ -1,0 +1,81 @@
+"""The random state of every text position of a generation.
+
+mlx-lm's plain sampling draws each token with the next key of ``mx.random``'s global key sequence:
+before the token at position ``t`` (counted from the first generated token) the sequence's state
+is ``S_t``; the draw takes ``split(S_t)[1]`` and leaves ``S_{t + 1} = split(S_t)[0]`` (a sampler
+that draws several keys a call advances the state as many times). :class:`KeyChain` computes that
+chain from the generation's starting state (the caller's key, or ``mx.random``'s state), so that
+every sampled decision at position ``t`` takes its randomness from ``S_t`` alone: how the rounds
+fall (the drafter, ``N``, timing, ``max_tokens``) cannot change the text, and a seed reproduces
+the text of mlx-lm's own plain sampling.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import mlx.core as mx
+
+__all__ = ["KeyChain", "seed_of", "set_global_state"]
+
+#: Positions computed at a time, as one small graph.
+CHUNK = 64
+
+
+@cache
+def _advance(steps: int):
+    """``state -> (states, following)``: the ``CHUNK`` states from ``state`` on, each reached from
+    the one before by ``steps`` splits, and the state after them (compiled once)."""
+
+    def chain(state: mx.array) -> tuple[mx.array, mx.array]:
+        states = []
+        for _ in range(CHUNK):
+            states.append(state)
+            for _ in range(steps):
+                state = mx.random.split(state)[0]
+        return mx.stack(states), state
+
+    return mx.compile(chain)
+
+
+class KeyChain:
+    """The chain of random states ``S_0, S_1, ...`` of one generation's text positions.
+
+    Args:
+        state (array): ``[2]`` uint32 ``S_0``, the state before the first generated token.
+        steps (int): the keys a sampler call draws (how far apart consecutive states are).
+            Default: ``1``, as ``mx.random.categorical`` draws.
+        global_state (bool): whether ``state`` is ``mx.random``'s global state, which the
+            generation then advances as mlx-lm's loop would. Default: ``False``.
+    """
+
+    def __init__(self, state: mx.array, steps: int = 1, global_state: bool = False) -> None:
+        self.steps = steps
+        self.global_state = global_state
+        self._states = mx.zeros((0, 2), dtype=mx.uint32)
+        self._next = state
+
+    def states(self, start: int, count: int) -> mx.array:
+        """``[count, 2]`` uint32: ``S_start, ..., S_{start + count - 1}``."""
+        while self._states.shape[0] < start + count:
+            more, self._next = _advance(self.steps)(self._next)
+            self._states = mx.concatenate([self._states, more])
+            # Computed meanwhile, not waited for: a chunk is small, and the rounds read it.
+            mx.async_eval(self._states, self._next)
+        return self._states[start : start + count]
+
+    def state(self, position: int) -> mx.array:
+        """``[2]`` uint32: ``S_position``."""
+        return self.states(position, 1)[0]
+
+
+def seed_of(state: mx.array) -> int:
+    """The seed ``s`` with ``mx.random.key(s)`` equal to ``state`` (``[2]`` uint32): one read."""
+    high, low = state.tolist()
+    return high << 32 | low
+
+
+def set_global_state(state: mx.array) -> None:
+    """Makes ``state`` (``[2]`` uint32) ``mx.random``'s global state, as ``mx.random.seed``
+    does (MLX has no other way to set it)."""
+    mx.random.seed(seed_of(state))

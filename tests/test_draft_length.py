@@ -1,0 +1,208 @@
+"""Draft-length policies: Fixed, and Adaptive's choice from its acceptance estimates and a
+calibration of what rounds and plain steps cost (given, or measured once)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import PROMPT, run
+
+from mlx_spec.draft_length import (
+    MAX_DRAFT_TOKENS,
+    Adaptive,
+    Calibration,
+    DraftPolicy,
+    Fixed,
+    Outcome,
+    Round,
+)
+
+# A GPU-like machine: a round costs 1.5 plain steps and each draft token a tenth of one.
+FLAT = Calibration(plain=1.0, round=1.5, token=0.1)
+# A CPU that scores every position: each draft token costs most of a plain step.
+STEEP = Calibration(plain=1.0, round=0.3, token=0.8)
+
+
+def kept_with(policy: Adaptive, rate: float, rounds: int = 60, label: int = 0) -> None:
+    """Tells ``policy`` of ``rounds`` rounds of 4 drafts whose tokens are kept at ``rate``
+    (deterministically: a fixed stream of uniforms)."""
+    uniforms = iter(np.random.default_rng(0).random(rounds * 4))
+    for _ in range(rounds):
+        kept = 0
+        while kept < 4 and next(uniforms) < rate:
+            kept += 1
+        policy.observe(Outcome(4, kept, label))
+
+
+def best_by_hand(rate: float, costs: Calibration, top: int) -> int:
+    """The N that maximises E(N) / cost(N), from the formulas written out again."""
+    rates = [1 / costs.plain]
+    for n in range(1, top + 1):
+        expected = sum(rate**i for i in range(n + 1))
+        rates.append(expected / (costs.round + costs.token * n))
+    return int(np.argmax(rates))
+
+
+@pytest.mark.parametrize("costs", [FLAT, STEEP], ids=["flat", "steep"])
+@pytest.mark.parametrize("rate", [0.2, 0.5, 0.8, 0.95])
+def test_adaptive_takes_the_length_of_the_most_tokens_per_second(costs, rate) -> None:
+    policy = Adaptive(8, calibration=costs, decay=1.0)
+    kept_with(policy, rate, rounds=400)
+    estimated = policy.acceptance()
+    assert estimated == pytest.approx(rate, abs=0.05)
+    assert policy.choose(Round(cap=8)) == best_by_hand(estimated, costs, 8)
+
+
+def test_adaptive_drafts_long_where_verification_is_flat_and_short_where_it_is_steep() -> None:
+    flat, steep = Adaptive(8, FLAT), Adaptive(8, STEEP)
+    for policy in (flat, steep):
+        kept_with(policy, 0.85)
+    assert flat.choose(Round(8)) >= 6
+    assert 1 <= steep.choose(Round(8)) <= 3
+
+
+def test_adaptive_runs_plain_steps_when_drafts_are_not_kept() -> None:
+    policy = Adaptive(8, FLAT)
+    assert policy.choose(Round(8)) > 0  # the prior: 2 of 3 kept
+    kept_with(policy, 0.05)
+    assert policy.choose(Round(8)) == 0
+
+
+def test_adaptive_never_drafts_more_than_the_round_may() -> None:
+    policy = Adaptive(8, FLAT)
+    kept_with(policy, 0.99)
+    assert [policy.choose(Round(cap)) for cap in (0, 1, 3, 20)] == [0, 1, 3, 8]
+
+
+def test_acceptance_is_estimated_for_each_label_apart() -> None:
+    # Prompt lookup: proposals from long n-grams are kept, those from one token are not.
+    policy = Adaptive(8, FLAT)
+    kept_with(policy, 0.95, label=3)
+    kept_with(policy, 0.05, label=1)
+    assert policy.acceptance(3) > 0.85 and policy.acceptance(1) < 0.15
+    assert policy.choose(Round(8, label=3)) >= 6
+    assert policy.choose(Round(8, label=1)) == 0
+
+
+def test_guesses_checked_during_plain_steps_count_as_tested() -> None:
+    policy = Adaptive(8, FLAT)
+    for _ in range(100):
+        policy.observe(Outcome(1, 1, label=2, seconds=1.0, plain=True))
+    assert policy.acceptance(2) > 0.9
+
+
+def test_older_tokens_weigh_less() -> None:
+    forgetting, remembering = Adaptive(8, FLAT), Adaptive(8, FLAT, decay=1.0)
+    for policy in (forgetting, remembering):
+        kept_with(policy, 0.95, rounds=200)
+        kept_with(policy, 0.1, rounds=60)
+    assert forgetting.acceptance() < 0.3 < remembering.acceptance()
+
+
+def test_waiting_tokens_make_a_round_dearer() -> None:
+    policy = Adaptive(8, STEEP)
+    kept_with(policy, 0.7)
+    assert policy.choose(Round(8, pending=6)) < policy.choose(Round(8, pending=1))
+
+
+def test_adaptive_measures_its_calibration_once_then_keeps_it() -> None:
+    # Rounds cost 2 + 0.5 N seconds and plain steps 1 second: the measuring rounds draft the
+    # most and one token in turn, then plain steps run until enough are timed.
+    policy = Adaptive(8)
+    choices = []
+    for _ in range(40):
+        n = policy.choose(Round(8))
+        choices.append(n)
+        if n:
+            policy.observe(Outcome(n, n // 2, seconds=2.0 + 0.5 * n))
+        else:
+            policy.observe(Outcome(0, 0, seconds=1.0, plain=True))
+        if policy.calibration is not None:
+            break
+    assert choices[:8] == [8, 1, 8, 1, 8, 1, 8, 1]
+    assert set(choices[8:]) == {0}
+    assert policy.calibration == Calibration(plain=1.0, round=pytest.approx(2.0), token=0.5)
+    # Kept: later times change nothing.
+    policy.observe(Outcome(8, 4, seconds=100.0))
+    assert policy.calibration.token == 0.5
+
+
+def test_the_first_measurement_at_each_length_and_first_plain_steps_are_left_out() -> None:
+    # A compilation makes each length's first round slow, and a stretch's first step waits for
+    # its own host work: neither moves the calibration.
+    policy = Adaptive(4)
+    for i in range(8):
+        n = policy.choose(Round(4))
+        slow = 50.0 if i < 2 else 0.0
+        policy.observe(Outcome(n, 0, seconds=1.0 + 0.25 * n + slow))
+    for i in range(9):
+        policy.observe(Outcome(0, 0, seconds=9.0 if i == 0 else 0.5, plain=True, first=i == 0))
+    assert policy.calibration == Calibration(0.5, pytest.approx(1.0), pytest.approx(0.25))
+
+
+def test_fixed_always_drafts_n_and_flushes_replays_that_grew() -> None:
+    fixed = Fixed(3)
+    assert [fixed.choose(Round(cap)) for cap in (0, 2, 64)] == [0, 2, 3]
+    assert fixed.choose(Round(64, pending=4, replays=True)) == 3
+    assert fixed.choose(Round(64, pending=5, replays=True)) == 0
+    assert fixed.choose(Round(64, pending=5, replays=False)) == 3
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: Fixed(-1), r"Fixed: `n`"),
+        (lambda: Fixed(MAX_DRAFT_TOKENS + 1), r"Fixed: `n`"),
+        (lambda: Fixed(True), r"Fixed: `n`"),
+        (lambda: Adaptive(0), r"Adaptive: `most`"),
+        (lambda: Adaptive(2.0), r"Adaptive: `most`"),
+        (lambda: Adaptive(4, calibration=(1, 2, 3)), r"Adaptive: `calibration`"),
+        (lambda: Adaptive(4, decay=0.0), r"Adaptive: `decay`"),
+    ],
+)
+def test_policy_arguments_are_checked(make, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_both_policies_are_draft_policies() -> None:
+    assert isinstance(Fixed(2), DraftPolicy) and isinstance(Adaptive(), DraftPolicy)
+    assert not isinstance(object(), DraftPolicy)
+
+
+def test_a_calibrated_adaptive_generation_is_deterministic(target, drafts) -> None:
+    # Given its costs, the policy's choices follow the text alone: the same rounds every run.
+    runs = []
+    for _ in range(2):
+        policy = Adaptive(6, calibration=Calibration(1.0, 1.2, 0.05))
+        _, flags, stats = run(PROMPT, target, drafts["truncated"], policy=policy, max_tokens=80)
+        runs.append((flags, stats.rounds, stats.drafted_at))
+    assert runs[0] == runs[1]
+    assert runs[0][2] and len(runs[0][2]) > 1
+
+
+def test_an_adaptive_policy_kept_for_the_next_generation_keeps_its_calibration(
+    target, drafts
+) -> None:
+    policy = Adaptive(4)
+    run(PROMPT, target, drafts["truncated"], policy=policy, max_tokens=60)
+    measured = policy.calibration
+    assert measured is not None and measured.plain > 0
+    run(PROMPT, target, drafts["truncated"], policy=policy, max_tokens=30)
+    assert policy.calibration is measured
+
+
+def test_policy_and_adaptive_are_exclusive(target) -> None:
+    with pytest.raises(ValueError, match="`adaptive=True` or a `policy`, not both"):
+        run(PROMPT, target, None, drafter="prompt-lookup", adaptive=True, policy=Fixed(2))
+    with pytest.raises(ValueError, match="`policy` must be a DraftPolicy"):
+        run(PROMPT, target, None, drafter="prompt-lookup", policy=3)
+
+
+def test_the_adaptive_shorthand_caps_the_policy_at_num_draft_tokens(target) -> None:
+    _, _, stats = run(
+        PROMPT, target, None, drafter="prompt-lookup", adaptive=True, num_draft_tokens=2,
+        max_tokens=120, key=mx.random.key(0),
+    )  # fmt: skip
+    assert len(stats.drafted_at) <= 2
