@@ -5,25 +5,22 @@ benchmark runs the real loop on the demo pair (or another pair of ``benchmarks/g
 so the tokens, the drafts and the choices are those of a real generation, but charges every
 round and every plain step a modelled cost, in units of one plain decoding step:
 
-- a verification round: ``round + position * (positions scored) + draft_step * (draft calls)``,
-  with a deterministic noise of ``--noise`` (relative, uniform) so that the estimates see what
-  a machine's clock shows;
-- a plain step (plain decoding, or a stretch of the adaptive loop): 1;
-- the start of each stretch of the adaptive loop: ``stretch_start`` more. Plain decoding builds
-  each step while the one before runs; a stretch's first step has nothing in flight to hide its
-  host work behind, and the step the last one built ahead of the stretch's end is not there.
+- a verification round: ``round + position * (positions scored) + draft_step * (draft calls)``;
+- a plain step (plain decoding, or the loop's plain steps): 1;
+- the first plain step after a round: ``stretch_start`` more. Plain decoding builds each step
+  while the one before runs; the first step after a round has nothing in flight to hide its host
+  work behind.
 
-The adaptive choice is fed these costs instead of the measured seconds, and each method's modelled
-tokens per unit cost is compared to plain decoding and to the best fixed ``N`` of the same drafter.
-Each adaptive generation runs twice: measuring its costs from scratch, and again starting from the
-costs the first run kept (``costs kept``: what a process's later generations of the same models
-do, see :mod:`mlx_spec.draft_length`).
-The defaults model the H200 on the demo pair (``docs/performance.md``: a round costs about 2.3
-plain steps of host and device work, a scored position a small fraction of one); ``--device cpu``
+The policies see the modelled costs through the public seam alone: the adaptive policy is given
+them as its :class:`~mlx_spec.draft_length.Calibration` (what it would measure on that device),
+and a wrapper policy charges each outcome the loop reports. Each method's modelled tokens per
+unit cost is compared to plain decoding and to the best fixed ``N`` of the same drafter. The
+defaults model the H200 on the demo pair (``docs/performance.md``: a round costs about 2.3 plain
+steps of host and device work, a scored position a small fraction of one); ``--device cpu``
 models this project's CPU, where a scored position costs about what a step does.
 
 Usage: ``python benchmarks/draft_length.py [--pair demo] [--device gpu|cpu] [--temps 0 0.8]
-[--drafts 1 2 4 8] [--prompts 2] [--tokens 128] [--noise 0.1]``.
+[--drafts 1 2 4 8] [--prompts 2] [--tokens 128]``.
 """
 
 from __future__ import annotations
@@ -41,9 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from generation import WORKLOADS, build_pair
 
-import mlx_spec.generation as generation_module
-import mlx_spec.loop as loop_module
-from mlx_spec.draft_length import DraftLength, forget_costs
+from mlx_spec.draft_length import Adaptive, Calibration, DraftPolicy, Fixed, Outcome, Round
 from mlx_spec.generation import speculative_generate_step
 from mlx_spec.loop import SpeculativeStats
 from mlx_spec.sampling import make_sampler
@@ -59,121 +54,94 @@ class Costs:
         round (float): a verification round's fixed cost (host work, launches, the read).
         position (float): each scored position (the waiting tokens and the drafts).
         draft_step (float): each call of a draft model.
-        stretch_start (float): each stretch of plain steps, for its first step, which waits for
-            its own host work.
-        noise (float): the relative spread of a round's cost as the loop sees it.
+        stretch_start (float): the first plain step after a round, which waits for its own host
+            work.
     """
 
     round: float
     position: float
     draft_step: float
     stretch_start: float
-    noise: float
+
+    def calibration(self, model_drafter: bool) -> Calibration:
+        """What the adaptive policy would measure on this device, in plain steps."""
+        token = self.position + (self.draft_step if model_drafter else 0.0)
+        return Calibration(plain=1.0, round=self.round + self.position, token=token)
 
 
 DEVICES = {
     # A stretch's first step waits for its own host work: most of a pipelined step where a small
     # target's step is about as long on the host as on the device (a GPU), little where the
     # device's work is most of a step (a CPU that computes every scored position).
-    "gpu": Costs(round=2.3, position=0.08, draft_step=0.25, stretch_start=0.6, noise=0.1),
-    "cpu": Costs(round=0.4, position=0.6, draft_step=0.25, stretch_start=0.1, noise=0.1),
+    "gpu": Costs(round=2.3, position=0.08, draft_step=0.25, stretch_start=0.6),
+    "cpu": Costs(round=0.4, position=0.6, draft_step=0.25, stretch_start=0.1),
 }
 
 
-class _Ledger:
-    """The modelled cost of one generation, filled by :class:`_Modelled`."""
+class Charged:
+    """A draft-length policy that lets ``policy`` choose and charges what the loop reports.
 
-    def __init__(self, costs: Costs, seed: int) -> None:
+    Args:
+        policy (DraftPolicy): the policy under test.
+        costs (Costs): the modelled device.
+        model_drafter (bool): whether each draft token costs a draft model's call.
+
+    Attributes:
+        cost (float): the modelled cost so far, in plain steps.
+    """
+
+    def __init__(self, policy: DraftPolicy, costs: Costs, model_drafter: bool) -> None:
+        self.policy = policy
         self.costs = costs
-        self.rng = np.random.default_rng(seed)
-        self.rounds = 0.0
-        self.round_tokens = 0
-        # The stretches of plain steps begun, and the steps of the current one.
-        self.stretches = 0
-        self.stretch_steps = 0
+        self.model_drafter = model_drafter
+        self.cost = 0.0
 
+    def choose(self, round: Round) -> int:
+        return self.policy.choose(round)
 
-def _modelled(ledger: _Ledger) -> type[DraftLength]:
-    """A DraftLength that is told the modelled costs instead of the measured seconds."""
-
-    class Modelled(DraftLength):
-        def record(self, drafted, accepted, fed, steps, seconds, label=0):
-            c = ledger.costs
-            cost = c.round + c.position * fed + c.draft_step * steps
-            ledger.rounds += cost
-            ledger.round_tokens += accepted + 1
-            noisy = cost * (1 + c.noise * ledger.rng.uniform(-1, 1))
-            super().record(drafted, accepted, fed, steps, noisy, label)
-
-        def record_plain(self, seconds):
-            c = ledger.costs
-            step = 1 + c.stretch_start / max(ledger.stretch_steps, 1)
-            super().record_plain(step * (1 + c.noise * ledger.rng.uniform(-1, 1)))
-
-        def record_restart(self, seconds):
-            c = ledger.costs
-            first = (1 + c.stretch_start) * (1 + c.noise * ledger.rng.uniform(-1, 1))
-            super().record_restart(first)
-
-    return Modelled
-
-
-def _counted_stretch(ledger: _Ledger):
-    """Generation.stretch, counting the stretches begun and their steps into ``ledger``."""
-    stretch = loop_module.Generation.stretch
-
-    def counted(self, count):
-        ledger.stretches += 1
-        ledger.stretch_steps = 0
-        for step in stretch(self, count):
-            ledger.stretch_steps += 1
-            yield step
-
-    return counted
+    def observe(self, outcome: Outcome) -> None:
+        c = self.costs
+        if outcome.plain:
+            self.cost += 1 + (c.stretch_start if outcome.first else 0.0)
+        else:
+            steps = outcome.drafted if self.model_drafter else 0
+            self.cost += c.round + c.position * (1 + outcome.drafted) + c.draft_step * steps
+        self.policy.observe(outcome)
 
 
 def modelled_rate(
-    target,
-    prompt,
-    temp,
-    n,
-    costs,
-    *,
-    draft=None,
-    drafter=None,
-    adaptive=False,
-    tokens=128,
-    kept=False,
+    target, prompt, temp, policy: DraftPolicy, costs: Costs, *, draft=None, tokens=128
 ) -> tuple[float, SpeculativeStats]:
-    """Tokens per plain step's cost of one generation, and its stats. The generation measures
-    its costs from scratch, or with ``kept`` starts from those the last generation of the same
-    models measured (as a process's later generations do)."""
-    if not kept:
-        forget_costs()
-    ledger = _Ledger(costs, seed=n + 100 * adaptive)
+    """Tokens per plain step's cost of one generation, and its stats (prompt lookup without
+    ``draft``)."""
+    charged = Charged(policy, costs, model_drafter=draft is not None)
     stats = SpeculativeStats()
-    original = generation_module.DraftLength, loop_module.Generation.stretch
-    generation_module.DraftLength = _modelled(ledger)
-    loop_module.Generation.stretch = _counted_stretch(ledger)
-    try:
-        for _ in speculative_generate_step(
-            prompt,
-            target,
-            draft,
-            num_draft_tokens=n,
-            max_tokens=tokens,
-            sampler=make_sampler(temp=temp),
-            key=mx.random.key(0),
-            stats=stats,
-            drafter=drafter,
-            adaptive=adaptive,
-        ):
-            pass
-    finally:
-        generation_module.DraftLength, loop_module.Generation.stretch = original
-    plain_tokens = max(stats.generated - ledger.round_tokens, 0)
-    cost = ledger.rounds + plain_tokens + ledger.costs.stretch_start * ledger.stretches
-    return stats.generated / cost, stats
+    for _ in speculative_generate_step(
+        prompt,
+        target,
+        draft,
+        max_tokens=tokens,
+        sampler=make_sampler(temp=temp),
+        key=mx.random.key(0),
+        stats=stats,
+        drafter=None if draft is not None else "prompt-lookup",
+        policy=charged,
+    ):
+        pass
+    return stats.generated / charged.cost, stats
+
+
+def mean_rate(target, temp, costs, draft, tokens, prompts, make_policy) -> tuple[float, float]:
+    """The mean modelled rate over ``prompts`` of a policy ``make_policy()`` makes for each,
+    and the mean tokens per round."""
+    runs = [
+        modelled_rate(target, p, temp, make_policy(), costs, draft=draft, tokens=tokens)
+        for p in prompts
+    ]
+    return (
+        float(np.mean([r for r, _ in runs])),
+        float(np.mean([s.tokens_per_round for _, s in runs])),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -183,7 +151,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--round", type=float, help="a round's fixed cost (default: the device's)")
     parser.add_argument("--position", type=float, help="a scored position's cost")
     parser.add_argument("--draft-step", type=float, help="a draft model call's cost")
-    parser.add_argument("--stretch-start", type=float, help="a stretch's extra cost")
+    parser.add_argument(
+        "--stretch-start", type=float, help="a plain step's extra cost after a round"
+    )
     parser.add_argument("--workload", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--temps", type=float, nargs="+", default=[0.0, 0.8])
     parser.add_argument("--drafts", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -205,49 +175,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(
         "| workload | temp | drafter | "
         + " | ".join(f"N={n}" for n in args.drafts)
-        + " | adaptive | adaptive tok/round | x best fixed | adaptive, costs kept "
-        + "| x best fixed, costs kept |"
+        + " | adaptive | adaptive tok/round | x best fixed |"
     )
-    print("|---" * (len(args.drafts) + 8) + "|")
+    print("|---" * (len(args.drafts) + 6) + "|")
     for workload in args.workload:
         for temp in args.temps:
             for kind in args.drafter:
-                spec = {"draft": pair.draft} if kind == "draft" else {"drafter": "prompt-lookup"}
-                fixed = [
-                    np.mean(
-                        [
-                            modelled_rate(
-                                pair.target, p, temp, n, costs, tokens=args.tokens, **spec
-                            )[0]
-                            for p in pair.workloads[workload]
-                        ]
-                    )
-                    for n in args.drafts
-                ]
-                runs, again = [], []
-                for p in pair.workloads[workload]:
-                    for kept, into in ((False, runs), (True, again)):
-                        into.append(
-                            modelled_rate(
-                                pair.target,
-                                p,
-                                temp,
-                                ADAPTIVE_MOST,
-                                costs,
-                                adaptive=True,
-                                tokens=args.tokens,
-                                kept=kept,
-                                **spec,
-                            )
-                        )
-                rate = np.mean([r for r, _ in runs])
-                per_round = np.mean([s.tokens_per_round for _, s in runs])
-                rate_again = np.mean([r for r, _ in again])
+                draft = pair.draft if kind == "draft" else None
+                prompts = pair.workloads[workload]
+
+                spec = (pair.target, temp, costs, draft, args.tokens, prompts)
+                fixed = [mean_rate(*spec, lambda n=n: Fixed(n))[0] for n in args.drafts]
+                calibration = costs.calibration(model_drafter=draft is not None)
+                adaptive, per_round = mean_rate(
+                    *spec, lambda c=calibration: Adaptive(ADAPTIVE_MOST, c)
+                )
                 cells = " | ".join(f"{r:.2f}" for r in fixed)
                 print(
-                    f"| {workload} | {temp} | {kind} | {cells} | {rate:.2f} | {per_round:.2f} "
-                    f"| {rate / max(fixed):.2f}x | {rate_again:.2f} "
-                    f"| {rate_again / max(fixed):.2f}x |",
+                    f"| {workload} | {temp} | {kind} | {cells} | {adaptive:.2f} "
+                    f"| {per_round:.2f} | {adaptive / max(fixed):.2f}x |",
                     flush=True,
                 )
 

@@ -59,10 +59,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 
-from mlx_spec import bench, recurrent
+from mlx_spec import _mlx_lm, bench
 from mlx_spec._demo import WARM_UP
-from mlx_spec.drafters import Draft, Drafter, DraftSetup, Text
-from mlx_spec.loop import SpeculativeStats
+from mlx_spec.drafters import Draft, Drafter, DraftSetup
+from mlx_spec.loop import SpeculativeStats, Text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny_models import cut, tiny_lfm2, tiny_llama, tiny_qwen3_next
@@ -177,7 +177,7 @@ class ForcedDrafter(Drafter):
     def start(self, text: Text, setup: DraftSetup) -> None:
         self._prompt = len(text)
 
-    def propose(self, text: Text, n: int, key: mx.array | None) -> Draft:
+    def propose(self, text: Text, n: int, keys: mx.array | None) -> Draft:
         i = len(text) - self._prompt
         right = self.reference[i : i + n]
         tokens = [
@@ -234,7 +234,7 @@ def _replaying(method: bench.Method) -> bench.Method:
     """``method`` with no recurrent layer's states kept: its caches are restored and replayed."""
 
     def generate(*args: Any) -> SpeculativeStats:
-        with mock.patch.object(recurrent, "track", lambda model: 0):
+        with mock.patch.object(_mlx_lm, "track", lambda model: 0):
             return method.generate(*args)
 
     return replace(method, generate=generate)

@@ -45,8 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from generation import build_pair
 
-from mlx_spec.drafters import Draft, Drafter, Text
+from mlx_spec.drafters import Draft, Drafter
 from mlx_spec.generation import speculative_generate_step
+from mlx_spec.loop import Text
 from mlx_spec.sampling import make_sampler
 
 
@@ -55,7 +56,7 @@ class Silent(Drafter):
 
     free = True
 
-    def propose(self, text: Text, n: int, key: mx.array | None) -> Draft:
+    def propose(self, text: Text, n: int, keys: mx.array | None) -> Draft:
         return Draft(mx.array([], dtype=mx.uint32))
 
 

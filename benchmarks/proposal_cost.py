@@ -28,7 +28,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_spec import accept_greedy, bench, read
-from mlx_spec.drafters import DraftSetup, PromptLookupDrafter, Text
+from mlx_spec.drafters import DraftSetup, PromptLookupDrafter
+from mlx_spec.loop import Text
 from mlx_spec.rules import make_rule
 
 ROUND_CONTEXT = 1000

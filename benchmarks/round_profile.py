@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from generation import build_pair
 
+from mlx_spec._mlx_lm import lm
 from mlx_spec.generation import speculative_generate_step
-from mlx_spec.patch import _LM_SPECULATIVE_STEP
 
 
 class Reads:
@@ -83,7 +83,7 @@ def main() -> None:
     for n in args.drafts:
         loops = {
             "mlx-spec": speculative_generate_step,
-            "mlx-lm": _LM_SPECULATIVE_STEP,
+            "mlx-lm": lm.speculative_generate_step,
         }
         for name, loop in loops.items():
 
