@@ -588,6 +588,7 @@ def plot(lines: Sequence[dict[str, Any]], path: Path, title: str) -> None:
         ax.set_xlabel("tokens per round (per target call)")
         ax.set_ylabel("tokens/s (median, bar: range)")
         ax.grid(alpha=0.3)
+        ax.margins(x=0.1)  # room for the labels right of the last points
         ax.set_xlim(left=min(0.9, ax.get_xlim()[0]))
     kinds = dict.fromkeys(line["drafter"] for line in lines)
     handles = [
