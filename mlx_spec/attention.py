@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from . import _mlx_lm, kernels
+from . import kernels
 from ._checks import StreamOrDevice
 
 __all__ = ["QUERIES_PER_CALL", "attention_in_chunks", "chunking", "chunks_pay"]
@@ -126,6 +126,8 @@ def chunking() -> Iterator[None]:
     unmasked attention over more than :data:`QUERIES_PER_CALL` queries in chunks (see the module's
     description). MLX's function is replaced only while some thread is within it
     (:func:`mlx_spec._mlx_lm.scoped_attention`), and other threads' calls are left whole."""
+    from . import _mlx_lm  # needs mlx-lm, which the command's early checks do not import
+
     previous = getattr(_local, "active", False)
     with _mlx_lm.scoped_attention(_chunked):
         _local.active = True

@@ -32,9 +32,10 @@ import mlx.nn as nn
 from mlx_lm.generate import generate_step
 
 from ._demo import DEMO_DIR, GROUNDED, PROMPTS
+from ._mlx_lm import lm
+from .draft_length import Adaptive, Fixed
 from .drafters import Drafter
 from .generation import SpeculativeStats, speculative_generate_step
-from .patch import _LM_MAKE_SAMPLER, _LM_SPECULATIVE_STEP
 from .sampling import make_sampler
 
 Generate = Callable[[mx.array, float, int, int], SpeculativeStats]
@@ -110,7 +111,7 @@ def plain(target: nn.Module) -> Method:
 
     def generate(prompt: mx.array, temp: float, seed: int, max_tokens: int) -> SpeculativeStats:
         mx.random.seed(seed)
-        sampler = _LM_MAKE_SAMPLER(temp=temp)
+        sampler = lm.make_sampler(temp=temp)
         steps = generate_step(prompt, target, max_tokens=max_tokens, sampler=sampler)
         tokens = sum(1 for _ in steps)
         return SpeculativeStats(rounds=tokens, generated=tokens)
@@ -147,13 +148,13 @@ def mlx_lm(target: nn.Module, draft: nn.Module, n: int) -> Method:
         mx.random.seed(seed)
         # mlx-lm's loop and sampler factory as they were before any patch: looked up in mlx-lm
         # now, or imported from it after a patch, they would be mlx-spec's.
-        steps = _LM_SPECULATIVE_STEP(
+        steps = lm.speculative_generate_step(
             prompt,
             target,
             draft,
             num_draft_tokens=n,
             max_tokens=max_tokens,
-            sampler=_LM_MAKE_SAMPLER(temp=temp),
+            sampler=lm.make_sampler(temp=temp),
         )
         return mlx_lm_stats([bool(step[2]) for step in steps], n, max_tokens)
 
@@ -169,9 +170,13 @@ def mlx_spec(
     adaptive: bool = False,
 ) -> Method:
     """mlx-spec's loop with :func:`mlx_spec.sampling.make_sampler` and ``key=mx.random.key(seed)``,
-    ``num_draft_tokens=n``, and ``draft`` (a model: ``"draft"``) or ``drafter``
+    ``num_draft_tokens=n`` (with ``adaptive``, one :class:`~mlx_spec.draft_length.Adaptive` for
+    all its generations), and ``draft`` (a model: ``"draft"``) or ``drafter``
     (``"prompt-lookup"``: ``"lookup"``, or a function that builds a drafter for a prompt)."""
     kind = "draft" if draft is not None else "lookup"
+    # One policy for all of the method's generations, as a caller keeps it: it measures what
+    # rounds cost once.
+    policy = Adaptive(n) if adaptive else Fixed(n)
 
     def generate(prompt: mx.array, temp: float, seed: int, max_tokens: int) -> SpeculativeStats:
         stats = SpeculativeStats()
@@ -185,7 +190,7 @@ def mlx_spec(
             key=mx.random.key(seed),
             stats=stats,
             drafter=drafter(prompt) if callable(drafter) else drafter,
-            adaptive=adaptive,
+            policy=policy,
         )
         for _ in steps:
             pass

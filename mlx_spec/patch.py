@@ -37,9 +37,6 @@ Sampler = generation.Sampler
 
 _LM_SAMPLER_SIGNATURE = inspect.signature(lm.make_sampler)
 _LM_STREAM_SIGNATURE = inspect.signature(lm.stream_generate)
-# Kept for the benchmarks until they take them from mlx_spec._mlx_lm.lm.
-_LM_MAKE_SAMPLER = lm.make_sampler
-_LM_SPECULATIVE_STEP = lm.speculative_generate_step
 
 _SAMPLER_MODULES = ("mlx_lm.sample_utils", "mlx_lm.generate", "mlx_lm.server")
 _STREAM_MODULES = ("mlx_lm.generate", "mlx_lm")

@@ -112,10 +112,10 @@ def test_a_plain_greedy_token_is_the_next_of_an_empty_draft(row, on_cpu):
     ids=["temp", "top-p", "top-k", "min-p"],
 )
 def test_a_plain_sampled_step_draws_as_mlx_lms_sampler_at_the_positions_state(options):
-    # The loop's sampled plain steps (Rule.step) draw what a round without a draft draws (Rule.decide
-    # at N = 0) with the same state, which is what mlx-lm's sampler draws when mx.random's state
-    # is that state; INVALID_ROW for a row that is no distribution, and always an id the model
-    # can embed.
+    # The loop's sampled plain steps (Rule.step) draw what a round without a draft draws
+    # (Rule.decide at N = 0) with the same state, which is what mlx-lm's sampler draws when
+    # mx.random's state is that state; INVALID_ROW for a row that is no distribution, and always
+    # an id the model can embed.
     from mlx_lm.sample_utils import make_sampler as lm_make_sampler
 
     from mlx_spec.rules import make_rule

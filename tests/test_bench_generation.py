@@ -164,21 +164,22 @@ def test_plain_steps_table():
 @pytest.mark.slow
 def test_adaptive_lookup_keeps_up_with_fixed_lengths_under_modelled_gpu_costs() -> None:
     # The demo target copying its prompt (GROUNDED[1]) and writing freely (PROMPTS[0]), greedy,
-    # every round and plain step charged the GPU's modelled cost (benchmarks/draft_length.py):
-    # the adaptive length must do about as well as the best fixed N on the copy (within 10%: in
-    # 128 tokens its first rounds and the one stretch that measures plain steps cost about 8%),
-    # and must not cost more than a few percent against plain decoding where lookup rarely helps.
+    # every round and plain step charged the GPU's modelled cost (benchmarks/draft_length.py),
+    # the adaptive policy told those costs: it must do about as well as the best fixed N on the
+    # copy (within 10%), and must not cost more than a few percent against plain decoding where
+    # lookup rarely helps.
+    from mlx_spec.draft_length import Adaptive, Fixed
+
     model = benchmark("draft_length")
     pair = benchmark("generation").build_pair("demo", 2)
     costs = model.DEVICES["gpu"]
+    calibration = costs.calibration(model_drafter=False)
 
-    def rate(prompt, n, adaptive=False):
-        return model.modelled_rate(
-            pair.target, prompt, 0.0, n, costs, drafter="prompt-lookup", adaptive=adaptive
-        )[0]
+    def rate(prompt, policy):
+        return model.modelled_rate(pair.target, prompt, 0.0, policy, costs)[0]
 
     copy, open_prompt = pair.workloads["input-grounded"][1], pair.workloads["open"][0]
-    best = max(rate(copy, n) for n in (1, 2, 4, 8))
+    best = max(rate(copy, Fixed(n)) for n in (1, 2, 4, 8))
     assert best > 1.5  # the copy is worth drafting: the comparison is not vacuous
-    assert rate(copy, 8, adaptive=True) >= 0.9 * best
-    assert rate(open_prompt, 8, adaptive=True) >= 0.95
+    assert rate(copy, Adaptive(8, calibration)) >= 0.9 * best
+    assert rate(open_prompt, Adaptive(8, calibration)) >= 0.95
