@@ -181,6 +181,25 @@ def check_prompt(op: str, prompt: object, vocab: int | None) -> list[int]:
     return ids
 
 
+def check_token_list(op: str, name: str, tokens: object) -> list[int]:
+    """Checks an optional sequence of token ids (Python ints, or an ``[L]`` integer array, read
+    once); returns them as a list (empty for ``None``)."""
+    if tokens is None:
+        return []
+    if isinstance(tokens, mx.array):
+        if tokens.ndim != 1 or not mx.issubdtype(tokens.dtype, mx.integer):
+            raise ValueError(
+                f"{op}: `{name}` must be [L] integer token ids, got {describe(tokens)}"
+            )
+        tokens = tokens.tolist()
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+        raise ValueError(f"{op}: `{name}` must be a sequence of token ids, got {tokens!r}")
+    tokens = list(tokens)
+    if not all(is_int(t) and 0 <= t < 2**32 for t in tokens):
+        raise ValueError(f"{op}: `{name}` must hold int token ids in [0, 2**32), got {tokens!r}")
+    return tokens
+
+
 def check_eos_ids(op: str, eos_token_ids: object) -> list[int]:
     if eos_token_ids is None:
         return []

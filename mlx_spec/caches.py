@@ -118,6 +118,13 @@ def check_caches(
             "QuantizedKVCache, ConcatenateKVCache, ChunkedKVCache, RotatingKVCache, ArraysCache, "
             "CacheList of those)"
         )
+    narrow = [c for c in _flat(layers) if _kind(c) == "rotating" and c.max_size <= c.keep]
+    if narrow:
+        raise ValueError(
+            f"{op}: {name} include a RotatingKVCache of {narrow[0].max_size} tokens that keeps its "
+            f"first {narrow[0].keep}: its window holds nothing past them (with mlx-lm's "
+            f"`max_kv_size`, give more than {narrow[0].keep})"
+        )
     if model is not None:
         fresh = make_prompt_cache(model)
         roles = [_role(layer) for layer in layers]

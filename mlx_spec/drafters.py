@@ -286,8 +286,9 @@ class PromptLookupDrafter(Drafter):
 
     For the text's last ``max_ngram`` tokens, then fewer down to ``min_ngram``, it looks for the
     latest earlier occurrence and proposes the tokens that followed it, up to ``n`` (and never
-    past the end of the text). With nothing matching it proposes nothing, and the round is a
-    plain step of the target.
+    past the end of the text). The text includes what a reused cache held before the prompt
+    (``cached_tokens`` of :func:`mlx_spec.generation.speculative_generate_step`). With nothing
+    matching it proposes nothing, and the round is a plain step of the target.
 
     Args:
         max_ngram (int): the longest n-gram to match, in ``[min_ngram, MAX_NGRAM]``. Default:
@@ -326,15 +327,18 @@ class PromptLookupDrafter(Drafter):
         self.min_ngram = min_ngram
         self.distribution = distribution
         self._index = _NgramIndex(min_ngram, max_ngram)
+        self._history = 0
         self._rule: Rule | None = None
 
     def start(self, text: Text, setup: DraftSetup) -> None:
         self._index = _NgramIndex(self.min_ngram, self.max_ngram)
-        self._index.extend(text.ids(0))
+        # An earlier turn's text, which a reused cache holds, is what a chat copies most.
+        self._history = len(text.history)
+        self._index.extend([*text.history, *text.ids(0)])
         self._rule = setup.rule if self.distribution and setup.rule.random else None
 
     def update(self, text: Text, accepted: int) -> None:
-        self._index.extend(text.ids(len(self._index.ids)))
+        self._index.extend(text.ids(len(self._index.ids) - self._history))
 
     def finish(self, text: Text, length: int, feed: bool) -> None:
         self.update(text, 0)

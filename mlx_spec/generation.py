@@ -31,6 +31,7 @@ from ._checks import (
     check_processors,
     check_prompt,
     check_prompt_cache,
+    check_token_list,
     is_int,
 )
 from ._mlx_lm import lm
@@ -176,6 +177,7 @@ def speculative_generate_step(
     adaptive: bool = False,
     policy: DraftPolicy | None = None,
     acceptance: str = "coupled",
+    cached_tokens: Sequence[int] | None = None,
 ) -> Generator[tuple[int, mx.array, bool], None, None]:
     """Speculative decoding whose output is the target's own sampling, at any temperature.
 
@@ -251,6 +253,9 @@ def speculative_generate_step(
             to later generations to keep what it measured). Default: from ``adaptive``.
         acceptance (str): ``"coupled"`` or ``"residual"`` for a sampler that samples (see
             above). Default: ``"coupled"``.
+        cached_tokens (sequence of int, optional): the tokens ``prompt_cache`` already holds,
+            before ``prompt`` (an earlier turn): drafters that copy from the text (prompt
+            lookup) draft from them too. Default: none.
 
     Yields:
         tuple[int, array, bool]: a token, the target's ``[V]`` log-probabilities at its
@@ -290,6 +295,7 @@ def speculative_generate_step(
         raise ValueError(f"{op}: give `adaptive=True` or a `policy`, not both")
     if acceptance not in ACCEPTANCE:
         raise ValueError(f"{op}: `acceptance` must be one of {ACCEPTANCE}, got {acceptance!r}")
+    history = check_token_list(op, "cached_tokens", cached_tokens)
     if key is not None:
         key = check_key(op, key)
     prompt_cache = check_prompt_cache(op, prompt_cache)
@@ -342,7 +348,7 @@ def speculative_generate_step(
         chunked=chunks_pay(device),
     )
     generation = Generation(
-        text=Text(prompt.astype(mx.uint32), ids),
+        text=Text(prompt.astype(mx.uint32), ids, history),
         target=target,
         drafter=chosen,
         setup=DraftSetup(rule, processors, quantize, prefill_step_size),

@@ -21,9 +21,11 @@ yielded.
 from __future__ import annotations
 
 import math
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -32,7 +34,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from . import _mlx_lm, kernels
-from ._checks import FLOAT_DTYPES, ID_DTYPES, describe
+from ._checks import FLOAT_DTYPES, ID_DTYPES, MASS_TOLERANCE, describe
 from .acceptance import check_next
 from .attention import chunking
 from .caches import ModelCache, multi_token_calls_exact
@@ -55,11 +57,16 @@ class Text:
     Attributes:
         prompt (array): ``[P]`` uint32 prompt tokens.
         generated (list of int): the tokens generated so far.
+        history (list of int): the tokens a reused cache held before the prompt (an earlier
+            turn of a chat), for drafters that copy from the text; not part of ``len(text)``.
     """
 
-    def __init__(self, prompt: mx.array, prompt_ids: list[int]) -> None:
+    def __init__(
+        self, prompt: mx.array, prompt_ids: list[int], history: list[int] | None = None
+    ) -> None:
         self.prompt = prompt
         self.generated: list[int] = []
+        self.history = list(history or [])
         self._prompt_ids = prompt_ids
         self._array = prompt
 
@@ -219,17 +226,19 @@ class Target:
     def room(self) -> int:
         """How many tokens a call may feed and give the logits that one-token steps would:
         none but one where a cache keeps its first tokens and this mlx-lm's mask cannot show
-        them (:func:`mlx_spec.caches.multi_token_calls_exact`); and before a cache still in full
-        precision passes the length from which mlx-lm quantizes it (mlx-lm's one-token steps
-        switch there), only the tokens up to that length."""
+        them (:func:`mlx_spec.caches.multi_token_calls_exact`); and while a cache is still in
+        full precision, only the tokens up to the length from which mlx-lm quantizes it (its
+        one-token steps switch there), one at least."""
         if not self.exact_calls:
             return 1
         if self.quantized_kv_start is None:
             return MAX_DRAFT_TOKENS + 1
         offsets = [c.offset for c in self.cache.layers if type(c) is KVCache]
-        if not offsets or max(offsets) >= self.quantized_kv_start:
+        if not offsets:
             return MAX_DRAFT_TOKENS + 1
-        return self.quantized_kv_start - max(offsets)
+        # A cache at or past the length (a reused one, a short prompt) is quantized after the
+        # next call, as mlx-lm quantizes it after its next one-token step.
+        return max(self.quantized_kv_start - max(offsets), 1)
 
     def step(self, tokens: mx.array, context: mx.array | None) -> mx.array:
         """One plain step: runs the model on ``[k]`` tokens and returns the ``[1, V]`` logits of
@@ -452,12 +461,22 @@ class Generation:
             on_cpu=self.on_cpu,
         )
         parts = [result, draft.tokens]
+        if draft.probs is not None:
+            parts.append(_first_bad_row(draft.probs, draft.tokens))
         if self.group is not None:
             # Every rank chooses from rank 0's time of the round before, read with this one.
             mine = self._microseconds if self.group.rank() == 0 else 0
             parts.append(mx.distributed.all_sum(mx.array([mine], mx.uint32), group=self.group))
         values = mx.concatenate(parts).tolist()  # the round's one host read
         accepted, token = values[0], values[1]
+        if draft.probs is not None and values[3 + draft.size]:
+            row = values[3 + draft.size] - 1
+            raise ValueError(
+                f"speculative_generate_step: {type(self.drafter).__name__}.propose returned probs "
+                f"whose row {row} is not the distribution its token was drawn from: a negative "
+                f"entry, a total off 1 by more than {MASS_TOLERANCE}, or its own token at "
+                "probability 0"
+            )
         check_next("speculative_generate_step", token)
         tokens = values[3 : 3 + accepted]
         if not (tokens and tokens[-1] in self.eos):
@@ -564,15 +583,48 @@ class Generation:
 
     def _finish(self, feed: bool) -> None:
         """Leaves every cache holding the prompt and the tokens yielded, feeding what a cache
-        lacks only when ``feed``; leaves ``mx.random``'s state as mlx-lm's loop would."""
+        lacks only when ``feed``; leaves ``mx.random``'s state as mlx-lm's loop would. A Ctrl-C
+        meanwhile is raised once the caches are whole."""
         length = len(self.text) - self.text.position + self._emitted
-        self.target.settle(self.text, length, feed)
-        self.drafter.finish(self.text, length, feed)
+        with _interrupts_deferred():
+            self.target.settle(self.text, length, feed)
+            self.drafter.finish(self.text, length, feed)
         if self.restore is not None:
             set_global_state(self.restore)
         elif self.keys is not None and self.keys.global_state:
             # mlx-lm's loop draws one token ahead of the last one it yields.
             set_global_state(self.keys.state(self._emitted + 1))
+
+
+@contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Within it, on the main thread, a SIGINT is held and handled once it ends (Ctrl-C then
+    raises ``KeyboardInterrupt`` after the work, not within it); elsewhere it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[tuple[int, Any]] = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: held.append((number, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held and callable(previous):
+            previous(*held[0])  # Python's own handler raises KeyboardInterrupt
+        elif held and previous == signal.SIG_DFL:
+            raise KeyboardInterrupt
+
+
+def _first_bad_row(probs: mx.array, tokens: mx.array) -> mx.array:
+    """``[1]`` uint32: one more than the first row of a drafter's ``[n, V_d]`` ``probs`` that is
+    no distribution its token (``[n]``) could be drawn from, else 0; lazy, read with the round."""
+    q = probs.astype(mx.float32)
+    own = mx.take_along_axis(q, mx.minimum(tokens, q.shape[-1] - 1)[:, None].astype(mx.uint32), -1)
+    drawn = mx.logical_and(own[:, 0] > 0, tokens.astype(mx.uint32) < q.shape[-1])
+    total = mx.abs(mx.sum(q, axis=-1) - 1) <= MASS_TOLERANCE
+    ok = mx.logical_and(mx.logical_and(drawn, total), mx.min(q, axis=-1) >= 0)
+    first = mx.argmin(ok.astype(mx.uint32)).astype(mx.uint32)
+    return mx.where(mx.all(ok), 0, first + 1).astype(mx.uint32)[None]
 
 
 def _draft_problem(draft: object, n: int) -> str | None:

@@ -1193,3 +1193,60 @@ def test_judge_fails_a_wrong_generation(worker):
     outcome["facts"]["tokens"][-1] += 1
     with pytest.raises(FAILS):
         judge(case, outcome)
+
+
+# -- interrupts ----------------------------------------------------------------------------------
+
+#: Generations cut short by SIGINTs: a few in the quick suite, many with --full.
+INTERRUPTS = [
+    pytest.param(12, id="quick"),
+    pytest.param(80, id="full", marks=pytest.mark.slow),
+]
+
+
+def interrupted_generations(count: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Runs ``tests/interrupt_runner.py`` for ``count`` generations, sending a SIGINT at a
+    random moment of each (fixed seed: a delay drawn in ``[0, 0.6)`` seconds after it starts,
+    most generations taking longer); returns what it reported for each."""
+    import json
+    import random
+    import signal
+
+    paths = [str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    proc = subprocess.Popen(
+        [sys.executable, str(TESTS / "interrupt_runner.py"), str(count)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    delays = random.Random(seed)
+    reports = []
+    deadline = time.monotonic() + START_LIMIT + 20 * count
+    try:
+        for line in proc.stdout:
+            message = json.loads(line)
+            if "go" in message:
+                time.sleep(delays.uniform(0.0, 0.6))
+                proc.send_signal(signal.SIGINT)
+            elif "setup" in message:
+                reports.append(message)
+            assert time.monotonic() < deadline, "the interrupted generations took too long"
+        code = proc.wait(timeout=30)
+        assert code == 0, f"the worker ended with {code}: {proc.stderr.read()[-4000:]}"
+    finally:
+        proc.kill()
+    return reports
+
+
+@pytest.mark.parametrize("count", INTERRUPTS)
+def test_interrupts_leave_the_prompt_and_yielded_tokens_in_every_cache(count):
+    # Issue 32: Ctrl-C inside the target's forward pass left unverified tokens in the caller's
+    # prompt_cache. A SIGINT wherever it lands must leave every cache holding the prompt and the
+    # tokens yielded, and the next turn on them continuing plain greedy decoding.
+    reports = interrupted_generations(count)
+    assert len(reports) == count
+    for report in reports:
+        assert report["text ok"] and report["continues"], report
+        assert report["offsets"] == [report["expected offset"]], report
+    # The signals landed at many moments: most generations were cut short, at many lengths.
+    cut_short = [r["yielded"] for r in reports if r["interrupted"]]
+    assert len(cut_short) >= count // 2 and len(set(cut_short)) >= count // 4, reports

@@ -28,6 +28,7 @@ from tiny_models import cut, tiny_llama
 from mlx_spec import kernels, loop
 from mlx_spec._checks import device_type
 from mlx_spec.acceptance import accept_sampled, read
+from mlx_spec.drafters import Draft, Drafter
 from mlx_spec.generation import SpeculativeStats, speculative_generate_step
 from mlx_spec.sampling import make_sampler
 
@@ -484,3 +485,210 @@ def test_memory_flat_over_10000_acceptance_rounds() -> None:
         accepted += read(accept_sampled(p, draft, q, eos, sub))[0]
     assert mx.get_active_memory() - before < 64 * 1024
     assert 0 < accepted < 4 * 10_000
+
+
+# --- interrupts, drafters of one's own, cache states mlx-lm's plain loop handles ---------------
+
+
+class Interrupting(nn.Module):
+    """A module that raises ``KeyboardInterrupt`` at its ``at``-th call (a Ctrl-C landing inside
+    the model, after the attention layers before it appended to their caches)."""
+
+    def __init__(self, layer: nn.Module, at: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.calls = 0
+        self.at = at
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        return self.layer(*args, **kwargs)
+
+
+@pytest.mark.parametrize("at", [2, 4, 7])
+@pytest.mark.parametrize("drafting", ["model", "lookup"])
+def test_an_interrupt_inside_the_model_leaves_the_prompt_and_yielded_tokens(
+    target, drafts, greedy_reference, at, drafting
+) -> None:
+    model = tiny_llama(0)  # the conftest target's weights, its second layer's MLP wrapped
+    model.model.layers[1].mlp = Interrupting(model.model.layers[1].mlp, at)
+    draft = drafts["truncated"] if drafting == "model" else None
+    cache = make_prompt_cache(model) + (make_prompt_cache(draft) if draft is not None else [])
+    kwargs = {} if draft is not None else {"drafter": "prompt-lookup"}
+    steps = speculative_generate_step(
+        mx.array(PROMPT), model, draft, num_draft_tokens=3, prompt_cache=cache, max_tokens=60,
+        **kwargs,
+    )  # fmt: skip
+    yielded = []
+    with pytest.raises(KeyboardInterrupt):
+        for token, _, _ in steps:
+            yielded.append(token)
+    assert yielded == greedy_reference[: len(yielded)]
+    # Every layer, the draft model's too, holds the prompt and the tokens yielded...
+    assert offsets(cache) == {len(PROMPT) + len(yielded)}
+    # ... so the next turn continues plain greedy decoding.
+    model.model.layers[1].mlp.at = 0
+    more, _, _ = run([greedy_reference[len(yielded)]], model, draft, prompt_cache=cache,
+                     max_tokens=20, **kwargs)  # fmt: skip
+    assert more == greedy_reference[len(yielded) + 1 : len(yielded) + 21]
+
+
+def test_an_interrupt_while_the_caches_are_taken_back_keeps_them_whole(
+    target, drafts, greedy_reference, monkeypatch
+) -> None:
+    # A Ctrl-C between two layers' trims after a rejection.
+    from mlx_spec import caches
+
+    original, calls = caches._trim, []
+
+    def trim(layer, n):
+        calls.append(n)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        original(layer, n)
+
+    monkeypatch.setattr(caches, "_trim", trim)
+    cache = make_prompt_cache(target) + make_prompt_cache(drafts["unrelated"])
+    steps = speculative_generate_step(
+        mx.array(PROMPT), target, drafts["unrelated"], num_draft_tokens=3, prompt_cache=cache,
+        max_tokens=60,
+    )  # fmt: skip
+    yielded = []
+    with pytest.raises(KeyboardInterrupt):
+        for token, _, _ in steps:
+            yielded.append(token)
+    monkeypatch.undo()
+    assert offsets(cache) == {len(PROMPT) + len(yielded)}
+    more, _, _ = run([greedy_reference[len(yielded)]], target, drafts["unrelated"],
+                     prompt_cache=cache, max_tokens=10)  # fmt: skip
+    assert more == greedy_reference[len(yielded) + 1 : len(yielded) + 11]
+
+
+class Proposing(Drafter):
+    """Proposes ``tokens`` with the distributions ``rows``: a drafter of one's own."""
+
+    def __init__(self, tokens: list[int], rows: np.ndarray) -> None:
+        self.tokens, self.rows = tokens, rows
+
+    def propose(self, text, n, keys) -> Draft:
+        tokens = mx.array(self.tokens[:n], dtype=mx.uint32)
+        return Draft(tokens, mx.array(self.rows[:n].astype(np.float32)))
+
+
+@pytest.mark.parametrize("acceptance", ["residual", "coupled"])
+@pytest.mark.parametrize(
+    ("problem", "change"),
+    [
+        ("own token at 0", lambda rows, tokens: rows.__setitem__((1, tokens[1]), 0)),
+        ("a total far below 1", lambda rows, tokens: rows.__imul__(0.5)),
+        ("a negative entry", lambda rows, tokens: rows.__setitem__((0, 0), -0.25)),
+    ],
+)
+def test_a_drafters_rows_that_are_no_distribution_raise(target, acceptance, problem, change):
+    # Kept by the ratio test whenever p > 0, a token of probability 0 in its own row would bias
+    # the output towards the drafter's tokens: refused at the round's read, naming the drafter.
+    tokens = [7, 9, 11]
+    rows = np.full((3, 256), 1 / 256)
+    change(rows, tokens)
+    rows[:, 0] += 1 - rows.sum(axis=1) if problem == "own token at 0" else 0
+    drafter = Proposing(tokens, rows)
+    with pytest.raises(ValueError, match=r"^speculative_generate_step: Proposing\.propose "
+                       r"returned probs whose row [01] is not the distribution"):  # fmt: skip
+        run(PROMPT, target, None, drafter=drafter, num_draft_tokens=3, max_tokens=8,
+            sampler=make_sampler(temp=1.0), key=mx.random.key(0),
+            acceptance=acceptance)  # fmt: skip
+
+
+def test_a_drafters_proper_rows_are_accepted(target) -> None:
+    rows = np.full((3, 256), 1 / 256)
+    tokens, _, stats = run(
+        PROMPT, target, None, drafter=Proposing([7, 9, 11], rows), num_draft_tokens=3,
+        max_tokens=12, sampler=make_sampler(temp=1.0), key=mx.random.key(0),
+        acceptance="residual",
+    )  # fmt: skip
+    assert len(tokens) == 12 and stats.drafted > 0
+
+
+@pytest.mark.parametrize("prompt", [[5], [5, 9, 11, 40]], ids=["one token", "four tokens"])
+@pytest.mark.parametrize("reused", [False, True])
+def test_kv_bits_with_caches_already_past_the_start_equal_plain_decoding(prompt, reused):
+    # mlx-lm quantizes a cache after the first call that leaves it at or past
+    # quantized_kv_start: a verification must not score several positions in full precision
+    # there (a one-token prompt with quantized_kv_start=0, or a reused cache).
+    model = tiny_llama(3, hidden=128, heads=4, intermediate=256, head=12.0)
+    draft = cut(model, 1)
+    # Two bits, so that quantizing a position or not moves its logits enough to tell.
+    options = dict(kv_bits=2, kv_group_size=32, quantized_kv_start=0 if not reused else 6)
+
+    def caches(m):
+        c = make_prompt_cache(m)
+        if reused:  # a turn before: 7 tokens already in full precision
+            m(mx.array([[3, 1, 4, 1, 5, 9, 2]]), cache=c)
+        return c
+
+    plain = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=40,
+                                         prompt_cache=caches(model), **options)]  # fmt: skip
+    tokens, _, stats = run(prompt, model, draft, num_draft_tokens=4, max_tokens=40,
+                           prompt_cache=caches(model) + caches(draft), **options)  # fmt: skip
+    assert tokens == plain and stats.accepted > 0
+
+
+@pytest.mark.parametrize("size", [1, 3, 4])
+def test_a_window_no_larger_than_what_it_keeps_is_refused_up_front(size) -> None:
+    from tiny_models import tiny_qwen2
+
+    model = tiny_qwen2(0)  # no make_cache of its own: mlx-lm's rotating caches keep 4 tokens
+    with pytest.raises(ValueError, match=rf"RotatingKVCache of {size} tokens .* `max_kv_size`"):
+        speculative_generate_step(
+            mx.array(PROMPT), model, drafter="prompt-lookup",
+            prompt_cache=make_prompt_cache(model, max_kv_size=size),
+        )  # fmt: skip
+
+
+def test_prompt_lookup_drafts_from_what_a_reused_cache_holds() -> None:
+    # A second turn of a chat: the cache holds the first turn, and the prompt is only the new
+    # part (as mlx-lm's server passes it). Told what the cache holds, prompt lookup copies from
+    # the first turn too; the text is plain decoding's either way.
+    import copy
+
+    import mlx_lm
+
+    from mlx_spec._demo import DEMO_DIR
+
+    model, tokenizer = mlx_lm.load(str(DEMO_DIR / "target"))
+    first = tokenizer.encode("def read_config(path):\n    config = {}\n")
+    cache = make_prompt_cache(model)
+    steps = speculative_generate_step(
+        mx.array(first), model, drafter="prompt-lookup", max_tokens=60, prompt_cache=cache
+    )
+    reply = [t for t, _, _ in steps]
+    second = tokenizer.encode("\n\ndef read_config(path):\n", add_special_tokens=False)
+    steps = generate_step(mx.array(second), model, max_tokens=60, prompt_cache=copy.deepcopy(cache))
+    plain = [t for t, _ in steps]
+    rounds = {}
+    for told in (False, True):
+        tokens, _, stats = run(
+            second, model, None, drafter="prompt-lookup", num_draft_tokens=4, max_tokens=60,
+            prompt_cache=copy.deepcopy(cache), cached_tokens=first + reply if told else None,
+        )  # fmt: skip
+        assert tokens == plain
+        rounds[told] = stats.rounds
+    assert rounds[True] < 0.85 * rounds[False]
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ("abc", "a sequence of token ids"),
+        ([1, -2], r"int token ids in \[0, 2\*\*32\)"),
+        (mx.zeros((2, 2), dtype=mx.int32), r"\[L\] integer token ids"),
+    ],
+)
+def test_cached_tokens_are_checked(target, value, match) -> None:
+    with pytest.raises(
+        ValueError, match=rf"^speculative_generate_step: `cached_tokens` must .*{match}"
+    ):
+        speculative_generate_step(mx.array(PROMPT), target, drafter="prompt-lookup",
+                                  cached_tokens=value)  # fmt: skip

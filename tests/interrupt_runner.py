@@ -1,0 +1,98 @@
+"""The worker of ``test_fuzz.py``'s interrupt test: generations that SIGINTs cut short.
+
+It runs speculative generations on tiny models, one after another, each announced with a line
+``go``; the test sends SIGINTs at random moments. Only while a generation runs does a SIGINT
+raise ``KeyboardInterrupt`` (the handler is armed then), wherever it lands: in the model, the
+acceptance, the caches' rewinds, the drafter. After each generation, cut short or not, the
+worker checks the guarantee: every cache holds the prompt and the tokens yielded, and the next
+turn on those caches continues plain greedy decoding. It prints one JSON line per generation.
+
+Usage: ``python interrupt_runner.py GENERATIONS``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+import sys
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from tiny_models import cut, tiny_llama, tiny_qwen2, tiny_qwen3_next
+
+from mlx_spec.generation import speculative_generate_step
+
+PROMPT = [1, 2, 3, 4, 5]
+armed = False
+
+
+def _interrupt(number, frame):
+    if armed:
+        raise KeyboardInterrupt
+
+
+def _setups():
+    """``(name, target, draft, cache maker, options)``: appending, rotating and hybrid caches,
+    with a draft model and with prompt lookup."""
+    llama, qwen2, hybrid = tiny_llama(0), tiny_qwen2(0), tiny_qwen3_next(0)
+    return [
+        ("llama, draft model", llama, cut(llama, 1), lambda m: make_prompt_cache(m), {}),
+        ("llama, lookup", llama, None, lambda m: make_prompt_cache(m), {}),
+        ("qwen2, rotating, draft", qwen2, cut(qwen2, 1), lambda m: make_prompt_cache(m, 12), {}),
+        ("qwen3-next, draft", hybrid, cut(hybrid, 2), lambda m: make_prompt_cache(m), {}),
+    ]
+
+
+def main() -> None:
+    global armed
+    signal.signal(signal.SIGINT, _interrupt)
+    setups = _setups()
+    references = {}
+    for name, target, _, make, _ in setups:
+        steps = generate_step(mx.array(PROMPT), target, max_tokens=120, prompt_cache=make(target))
+        references[name] = [t for t, _ in steps]
+    print(json.dumps({"ready": True}), flush=True)
+    for _, (name, target, draft, make, options) in zip(
+        range(int(sys.argv[1])), itertools.cycle(setups), strict=False
+    ):
+        cache = make(target) + (make(draft) if draft is not None else [])
+        drafting = {} if draft is not None else {"drafter": "prompt-lookup"}
+        yielded, interrupted, started = [], False, False
+        print(json.dumps({"go": name}), flush=True)
+        armed = True
+        try:
+            steps = speculative_generate_step(
+                mx.array(PROMPT), target, draft, num_draft_tokens=3, max_tokens=100,
+                prompt_cache=cache, **drafting, **options,
+            )  # fmt: skip
+            # Cut short before this, the call changed nothing: the caches still hold nothing.
+            started = True
+            for token, _, _ in steps:
+                yielded.append(token)
+            armed = False  # a signal before this line is caught below
+        except KeyboardInterrupt:
+            armed, interrupted = False, True
+        reference = references[name]
+        held = sorted({c.offset for c in cache if hasattr(c, "offset")})
+        fed = [reference[len(yielded)]] if started else PROMPT
+        steps = generate_step(
+            mx.array(fed), target, max_tokens=5, prompt_cache=cache[: len(make(target))]
+        )
+        more = [t for t, _ in steps]
+        print(json.dumps({
+            "setup": name,
+            "interrupted": interrupted,
+            "yielded": len(yielded),
+            "text ok": yielded == reference[: len(yielded)],
+            "offsets": held,
+            "expected offset": len(PROMPT) + len(yielded) if started else 0,
+            "continues": more == reference[len(yielded) + started : len(yielded) + started + 5],
+        }), flush=True)  # fmt: skip
+    # A signal sent as the last generation ended must not end the process.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+if __name__ == "__main__":
+    main()
