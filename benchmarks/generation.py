@@ -305,6 +305,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=1,
         help="hybrid: how many times the comparison runs each prompt, interleaved (default: 1)",
     )
+    parser.add_argument(
+        "--variants",
+        type=int,
+        metavar="N",
+        help="also, at this N: the draft model by rejection sampling, and each drafter with the "
+        "fused CUDA kernels turned off (mlx_spec.bench.variants)",
+    )
     parser.add_argument("--quick", action="store_true", help="N = 2, one prompt, 16 tokens")
     parser.add_argument(
         "--json", type=Path, help="the machine, settings and raw rows, written after each row"
@@ -328,6 +335,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     pair = build_pair(args.pair, settings["prompts"])
     workloads = {k: pair.workloads[k] for k in args.workload}
     methods = bench.methods(pair.target, pair.draft, drafts, ADAPTIVE_MOST)
+    if args.variants:
+        methods += bench.variants(pair.target, pair.draft, args.variants)
     if pair.twin is not None:
         # mlx-lm's loop refuses caches it cannot trim.
         methods = [m for m in methods if m.drafter != "mlx-lm"]

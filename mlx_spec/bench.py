@@ -23,6 +23,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generate_step
 
+from . import kernels
 from ._demo import DEMO_DIR, GROUNDED, PROMPTS
 from ._mlx_lm import lm
 from .draft_length import Adaptive, Fixed
@@ -168,32 +170,41 @@ def mlx_spec(
     draft: nn.Module | None = None,
     drafter: str | Callable[[mx.array], Drafter] | None = None,
     adaptive: bool = False,
+    acceptance: str = "coupled",
+    fused: bool = True,
 ) -> Method:
     """mlx-spec's loop with :func:`mlx_spec.sampling.make_sampler` and ``key=mx.random.key(seed)``,
     ``num_draft_tokens=n`` (with ``adaptive``, one :class:`~mlx_spec.draft_length.Adaptive` for
     all its generations), and ``draft`` (a model: ``"draft"``) or ``drafter``
-    (``"prompt-lookup"``: ``"lookup"``, or a function that builds a drafter for a prompt)."""
+    (``"prompt-lookup"``: ``"lookup"``, or a function that builds a drafter for a prompt).
+    ``acceptance`` other than coupled, or ``fused=False`` (the fused CUDA kernels turned off),
+    label the drafter too (``"draft residual"``, ``"lookup, no kernels"``), so that a table
+    compares each with its own kind."""
     kind = "draft" if draft is not None else "lookup"
+    kind += f" {acceptance}" if acceptance != "coupled" else ""
+    kind += ", no kernels" if not fused else ""
     # One policy for all of the method's generations, as a caller keeps it: it measures what
     # rounds cost once.
     policy = Adaptive(n) if adaptive else Fixed(n)
 
     def generate(prompt: mx.array, temp: float, seed: int, max_tokens: int) -> SpeculativeStats:
         stats = SpeculativeStats()
-        steps = speculative_generate_step(
-            prompt,
-            target,
-            draft,
-            num_draft_tokens=n,
-            max_tokens=max_tokens,
-            sampler=make_sampler(temp=temp),
-            key=mx.random.key(seed),
-            stats=stats,
-            drafter=drafter(prompt) if callable(drafter) else drafter,
-            policy=policy,
-        )
-        for _ in steps:
-            pass
+        with kernels.disabled() if not fused else nullcontext():
+            steps = speculative_generate_step(
+                prompt,
+                target,
+                draft,
+                num_draft_tokens=n,
+                max_tokens=max_tokens,
+                sampler=make_sampler(temp=temp),
+                key=mx.random.key(seed),
+                stats=stats,
+                drafter=drafter(prompt) if callable(drafter) else drafter,
+                policy=policy,
+                acceptance=acceptance,
+            )
+            for _ in steps:
+                pass
         return stats
 
     return Method(f"{kind} {'adaptive' if adaptive else f'N={n}'}", generate, kind, n, adaptive)
@@ -211,6 +222,18 @@ def methods(
         out.append(mlx_spec(target, most, draft=draft, adaptive=True))
     out += [mlx_spec(target, n, drafter="prompt-lookup") for n in drafts]
     out.append(mlx_spec(target, most, drafter="prompt-lookup", adaptive=True))
+    return out
+
+
+def variants(target: nn.Module, draft: nn.Module | None, n: int) -> list[Method]:
+    """At ``N = n``: the draft model by rejection sampling, and each drafter (the residual one
+    too) with the fused CUDA kernels turned off, to set beside :func:`methods`' own."""
+    out = []
+    if draft is not None:
+        out.append(mlx_spec(target, n, draft=draft, acceptance="residual"))
+        out.append(mlx_spec(target, n, draft=draft, acceptance="residual", fused=False))
+        out.append(mlx_spec(target, n, draft=draft, fused=False))
+    out.append(mlx_spec(target, n, drafter="prompt-lookup", fused=False))
     return out
 
 

@@ -22,7 +22,9 @@ fails there, so the kernels serve single verifications: under ``mx.vmap`` use th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import cache
 from importlib import resources
 
@@ -78,9 +80,27 @@ def no_id() -> mx.array:
     return mx.array([0xFFFFFFFF], mx.uint32)
 
 
+_local = threading.local()
+
+
 def available(stream: StreamOrDevice = None) -> bool:
-    """Whether the fused kernels can run on ``stream`` (MLX's CUDA backend, a GPU stream)."""
+    """Whether the fused kernels can run on ``stream`` (MLX's CUDA backend, a GPU stream), and
+    are not turned off on this thread (:func:`disabled`)."""
+    if getattr(_local, "off", False):
+        return False
     return mx.cuda.is_available() and device_type(stream) == mx.DeviceType.gpu
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Within it, on this thread, :func:`available` is false: generations made within it decide
+    with the composition of MLX ops (to compare the two, as ``benchmarks/generation.py`` does)."""
+    previous = getattr(_local, "off", False)
+    _local.off = True
+    try:
+        yield
+    finally:
+        _local.off = previous
 
 
 _SOURCES = {
