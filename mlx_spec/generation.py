@@ -37,7 +37,7 @@ from ._checks import (
 from ._mlx_lm import lm
 from .attention import chunks_pay
 from .caches import ModelCache, check_caches
-from .distributed import agree_key, model_group
+from .distributed import agree_key, model_group, round_arguments
 from .draft_length import MAX_DRAFT_TOKENS, Adaptive, DraftPolicy, Fixed
 from .drafters import Drafter, DraftSetup, ModelDrafter, PromptLookupDrafter
 from .keys import KeyChain
@@ -321,11 +321,17 @@ def speculative_generate_step(
     models = [model, chosen.model] if isinstance(chosen, ModelDrafter) else [model]
     group = model_group(*models)
     keys = restore = None
+    # Every rank of a group the models run on must run the same rounds and draw the same tokens:
+    # one collective checks what shapes a round and agrees the key, before any target call.
+    shape = round_arguments(
+        max_tokens=max_tokens, num_draft_tokens=num_draft_tokens, drafter=chosen, policy=policy,
+        adaptive=adaptive, prompt=ids, acceptance=rule.kind,
+    )  # fmt: skip
+    agreed = agree_key(op, key if rule.random else None, group, stream=stream, arguments=shape)
     if rule.random:
-        # Every rank of a group the models run on must draw the same tokens.
         # A key leaves mx.random's state as it was (only a sampler called on it changes it).
         restore = mx.random.state[0] if key is not None and rule.seeds else None
-        keys = KeyChain(agree_key(op, key, group, stream=stream), rule.steps, key is None)
+        keys = KeyChain(agreed, rule.steps, key is None)
     if policy is None:
         policy = Adaptive(num_draft_tokens) if adaptive and num_draft_tokens else None
         policy = policy or Fixed(num_draft_tokens)

@@ -194,15 +194,16 @@ SETTINGS: dict[str, Callable[[mx.distributed.Group | None, Path | None], dict[st
 
 
 def generate(models: dict[str, Any], drafter: str, **kwargs: Any) -> list[int]:
-    """The tokens of one speculative generation of the setting's length."""
-    steps = speculative_generate_step(
-        models["prompt"],
-        models["target"],
-        num_draft_tokens=NUM_DRAFT_TOKENS,
-        max_tokens=models["max_tokens"],
+    """The tokens of one speculative generation of the setting's length, of its prompt and
+    :data:`NUM_DRAFT_TOKENS` a round unless ``kwargs`` say otherwise (``prompt`` too)."""
+    arguments = {
+        "num_draft_tokens": NUM_DRAFT_TOKENS,
+        "max_tokens": models["max_tokens"],
         **DRAFTERS[drafter](models),
         **kwargs,
-    )
+    }
+    prompt = arguments.pop("prompt", models["prompt"])
+    steps = speculative_generate_step(prompt, models["target"], **arguments)
     return [token for token, _, _ in steps]
 
 
@@ -225,12 +226,29 @@ def outcome(models: dict[str, Any], drafter: str, **kwargs: Any) -> dict[str, An
         return {"error": str(error)}
 
 
+def differing(
+    models: dict[str, Any], other: bool, sampler: Any, key: mx.array
+) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Cases whose ranks differ in one argument that shapes the rounds: each case's drafter and
+    arguments, on rank 1 (``other``) or on the others. Greedy but where the rule differs."""
+    prompt = models["prompt"]
+    return {
+        # The issue's case: rank 0 returned a wrong last token, its target calls out of step.
+        "max_tokens": ("model", {"max_tokens": 24 if other else 10}),
+        "num_draft_tokens": ("model", {"num_draft_tokens": 5 if other else NUM_DRAFT_TOKENS}),
+        "drafter": ("lookup" if other else "model", {}),
+        "prompt": ("model", {"prompt": mx.concatenate([prompt, prompt[:1]]) if other else prompt}),
+        "policy": ("model", {"adaptive": other}),
+        "acceptance": ("model", {"sampler": sampler if other else None, "key": key}),
+    }
+
+
 def run_cases(models: dict[str, Any], rank: int) -> dict[str, Any]:
     """Every case of a setting on this rank; the ranks run them in the same order.
 
-    The calls with keys that differ come first: the generations after them show that a rejected
-    call leaves no collective pending. Each case is announced on stdout, so that the output of a
-    launch that hangs shows where.
+    The calls with keys, or arguments that shape the rounds, that differ come first: the
+    generations after them show that a rejected call leaves no collective pending. Each case is
+    announced on stdout, so that the output of a launch that hangs shows where.
     """
     sampler = make_sampler(temp=TEMP)
     key = mx.random.key(KEY_SEED)
@@ -242,6 +260,10 @@ def run_cases(models: dict[str, Any], rank: int) -> dict[str, Any]:
 
     run("keys-differ", "model", sampler=sampler, key=mx.random.key(rank))
     run("key-on-rank-0-only", "model", sampler=sampler, key=key if rank == 0 else None)
+    # Arguments that shape the rounds, differing between the ranks (rank 1 has the other).
+    other = rank == 1
+    for name, (drafter, kwargs) in differing(models, other, sampler, key).items():
+        run(f"differ/{name}", drafter, **kwargs)
     # mlx-lm's plain decoding leaves its next step, and its collectives, in flight: the key's
     # agreement in the next case must still pair with the same collective on each rank.
     print(f"rank {rank}: plain", flush=True)

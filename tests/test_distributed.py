@@ -255,6 +255,39 @@ def test_keys_that_differ_raise_on_every_rank(quick, setting, name) -> None:
         assert "speculative_generate_step: `key` differs between the 2 ranks" in error, rank
 
 
+# Each case of distributed_worker.differing: what the error shows of the argument that differs.
+DIFFERING = {
+    "max_tokens": "`max_tokens`: rank 0: 10, rank 1: 24",
+    "num_draft_tokens": "`num_draft_tokens`: rank 0: 3, rank 1: 5",
+    "drafter": "the drafter (`draft_model` or `drafter`): rank 0: a draft model, rank 1: prompt "
+    "lookup (max_ngram 3",
+    "prompt": "`prompt`: rank 0: {0} tokens (crc32 ",
+    "policy": "the draft-length policy (`adaptive` or `policy`): rank 0: fixed, rank 1: adaptive",
+    "acceptance": "the acceptance rule (`sampler` and `acceptance`): rank 0: greedy, rank 1: "
+    "coupled",
+}
+
+
+@pytest.mark.parametrize("name", DIFFERING)
+@pytest.mark.parametrize("setting", WORKING)
+def test_arguments_that_shape_a_round_and_differ_raise_on_every_rank(quick, setting, name) -> None:
+    # The generations after these calls (above) show that the ranks stayed in step.
+    errors = [
+        results["cases"][f"differ/{name}"].get("error", "") for results in ranks(quick, setting)
+    ]
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith(
+        "speculative_generate_step: the 2 ranks of the distributed group the model runs on were "
+        "given different arguments"
+    ), errors[0]
+    length = len(whole(setting)["prompt"])
+    assert DIFFERING[name].format(length) in errors[0], errors[0]
+    if name == "prompt":
+        assert f"rank 1: {length + 1} tokens" in errors[0], errors[0]
+    # Only the argument that differs is named.
+    assert errors[0].count("rank 0: ") == 1, errors[0]
+
+
 # --- what ends a launch ------------------------------------------------------------------------
 
 
