@@ -21,6 +21,10 @@ versions, with a fallback that stays exact and one warning naming what the fallb
 - **mlx-lm's own functions** (``stream_generate``, ``speculative_generate_step``,
   ``make_sampler``, ``greedy_sampler``, ``maybe_quantize_kv_cache``): kept as they were at
   import, for the patch to replace and restore, and for the benchmarks to compare with.
+- **mlx-lm's server** (``APIHandler.handle_completion``, ``ResponseGenerator.generate`` and
+  ``_run_generate``, the ``LRUPromptCache`` it makes): every request answered, a prompt its
+  prompt cache holds exactly fed its last token again, the generation thread ending with
+  ``mx.clear_streams()``. Fallback: mlx-lm's server as it is, with a warning for each.
 
 :func:`report` runs every probe and says which hold (``python -m mlx_spec._mlx_lm``).
 """
@@ -29,6 +33,10 @@ from __future__ import annotations
 
 import copy
 import importlib
+import inspect
+import json
+import logging
+import queue
 import sys
 import threading
 import warnings
@@ -40,7 +48,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.cache import RotatingKVCache, can_trim_prompt_cache, trim_prompt_cache
 
 __all__ = [
     "Positions",
@@ -618,6 +626,287 @@ def scoped_attention(wrap: Callable[[Callable[..., mx.array]], Callable[..., mx.
                 _attention_original = None
 
 
+# --- mlx-lm's server -------------------------------------------------------------------------
+#
+# mlx_lm.server's request handler (``APIHandler.handle_completion``) asks its generation thread
+# for a request's context, then sends the 200 status line (a stream) or buffers it (a whole
+# body) before it reads the first token. An error the generation raises after that escapes the
+# handler, and the client's connection is closed with no answer. Its prompt cache
+# (``LRUPromptCache``, made by name in the server's ``run``) returns, for a prompt it holds
+# exactly, the cache and no token to feed, which no loop can generate from: a cache holds no
+# logits. And its generation thread (``ResponseGenerator._run_generate``) must end with
+# ``mx.clear_streams()`` (docs/design.md, "Working around MLX 0.32").
+
+
+class _Refused(BaseException):
+    """A request's generation failed before the handler sent anything: carried past mlx-lm's
+    handler (whose ``except Exception`` would answer 404) to :func:`_answering`'s wrapper.
+
+    Attributes:
+        error (Exception): what the generation raised.
+    """
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _CheckedResponses:
+    """A handler's ``ResponseGenerator`` whose ``generate`` reads a request's first event (a
+    stream) or all of them (a whole body) before it returns, so that an error raised by then
+    becomes a :class:`_Refused`; everything else is the generator's own."""
+
+    def __init__(self, generator: Any, stream: bool) -> None:
+        self._generator = generator
+        self._stream = stream
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._generator, name)
+
+    def generate(
+        self, request: Any, args: Any, progress_callback: Callable[..., None] | None = None
+    ) -> tuple[Any, Iterator[Any]]:
+        if not self._stream:
+            # A whole body is sent once the generation ends: read it all now, in this thread.
+            ctx, responses = self._generator.generate(request, args, progress_callback)
+            try:
+                return ctx, iter(list(responses))
+            except Exception as error:
+                raise _Refused(error) from error
+        # A stream: read on another thread until the generation starts (its first prompt
+        # progress, after the loop checked its arguments) or fails; then hand on what it read.
+        events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        ctx, responses = self._generator.generate(
+            request, args, lambda *done: events.put(("progress", done))
+        )
+
+        def pump() -> None:
+            try:
+                for response in responses:
+                    events.put(("response", response))
+            except Exception as error:  # the generation's, or "generation thread died"
+                events.put(("error", error))
+            else:
+                events.put(("end", None))
+
+        threading.Thread(target=pump, name="mlx-spec request", daemon=True).start()
+        first = events.get()
+        if first[0] == "error":
+            raise _Refused(first[1]) from first[1]
+
+        def handed_on() -> Iterator[Any]:
+            kind, value = first
+            while kind != "end":
+                if kind == "error":
+                    raise value
+                if kind == "response":
+                    yield value
+                elif progress_callback is not None:
+                    progress_callback(*value)
+                kind, value = events.get()
+
+        return ctx, handed_on()
+
+
+def _status(error: BaseException) -> int:
+    """400 for an argument the loop refused, 500 for anything else."""
+    return 400 if isinstance(error, ValueError) else 500
+
+
+def _log(error: BaseException) -> None:
+    if _status(error) == 400:
+        logging.warning("mlx-spec: refused a request: %s", error)
+    else:
+        logging.error("mlx-spec: a request failed", exc_info=error)
+
+
+def _answer(handler: Any, error: BaseException) -> None:
+    """Answers ``handler``'s request, of which nothing was sent yet, with ``error``."""
+    _log(error)
+    body = json.dumps({"error": str(error)}).encode()
+    status = _status(error)
+    set_headers = getattr(handler, "_set_completion_headers", None)
+    if callable(set_headers):  # mlx-lm's: the status, the JSON type, its CORS headers
+        set_headers(status)
+    else:
+        handler.send_response(status)
+        handler.send_header("Content-type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+    handler.wfile.flush()
+
+
+def _answer_in_stream(handler: Any, error: BaseException) -> None:
+    """Ends ``handler``'s stream, whose 200 status was sent, with an error event and [DONE]."""
+    _log(error)
+    event = json.dumps({"error": str(error), "code": _status(error)})
+    handler.wfile.write(f"data: {event}\n\ndata: [DONE]\n\n".encode())
+    handler.wfile.flush()
+
+
+def _answering(handle_completion: Callable[..., None]) -> Callable[..., None]:
+    """``APIHandler.handle_completion`` answering every error of the generation: a 400 (an
+    argument the loop refused: a ``ValueError``) or 500 with ``{"error": message}`` before
+    anything was sent, else an error event ending the stream. A client that hung up is left as
+    mlx-lm leaves it."""
+
+    def answering(self: Any, request: Any, stop_words: list[str]) -> None:
+        generator = self.response_generator
+        self.response_generator = _CheckedResponses(generator, bool(self.stream))
+        try:
+            handle_completion(self, request, stop_words)
+        except _Refused as refused:
+            _answer(self, refused.error)
+        except (BrokenPipeError, ConnectionResetError):
+            raise
+        except Exception as error:
+            if not self.stream:
+                raise  # mlx-lm's own formatting failed, its status line buffered: its case
+            _answer_in_stream(self, error)
+        finally:
+            self.response_generator = generator
+
+    return answering
+
+
+def _refeeding(prompt_cache_class: type) -> type:
+    """A subclass of mlx-lm's ``LRUPromptCache`` that never returns an empty rest: for a prompt
+    it holds exactly, the cache less its last token (trimmed) and that token to feed again, or,
+    where the cache cannot be trimmed, the nearest cache of the prompt less that token."""
+
+    class RefeedingPromptCache(prompt_cache_class):
+        """mlx-lm's prompt cache, which never answers a prompt with no token to feed."""
+
+        def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
+            cache, rest = super().fetch_nearest_cache(model, tokens)
+            if cache is None or len(rest) or not len(tokens):
+                return cache, rest
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, 1)
+                return cache, list(tokens[-1:])
+            cache, rest = self.fetch_nearest_cache(model, tokens[:-1])
+            return cache, [*rest, *tokens[-1:]]
+
+    return RefeedingPromptCache
+
+
+def _refeeding_works(prompt_cache_class: type) -> None:
+    """Raises unless :func:`_refeeding`'s subclass of ``prompt_cache_class`` answers a prompt of
+    two tokens that it holds exactly with the cache of the first and the second to feed."""
+    from mlx_lm.models.cache import KVCache
+
+    layer = KVCache()
+    layer.update_and_fetch(mx.zeros((1, 1, 2, 1)), mx.zeros((1, 1, 2, 1)))
+    prompt_cache = _refeeding(prompt_cache_class)()
+    prompt_cache.insert_cache("probe", [7, 8], [layer])
+    cache, rest = prompt_cache.fetch_nearest_cache("probe", [7, 8])
+    if rest != [8] or [c.offset for c in cache] != [1]:
+        raise AssertionError(f"an exact hit gave {rest} to feed after {cache}")
+
+
+def _clearing_streams(run_generate: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``ResponseGenerator._run_generate`` ending with ``mx.clear_streams()``."""
+
+    def run_then_clear_streams(self: Any) -> None:
+        try:
+            run_generate(self)
+        finally:
+            mx.clear_streams()
+
+    return run_then_clear_streams
+
+
+def _server_lost(what: str, why: BaseException | str, cost: str) -> None:
+    """Warns once per ``what`` that the server patch cannot do it, and what that costs."""
+    with _warn_lock:
+        if what in _warned:
+            return
+        _warned.add(what)
+    warnings.warn(
+        f"mlx-spec: this mlx-lm ({_version()}) changed what {what} in mlx_lm.server relies on "
+        f"({why}); {cost}",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _server_probes(server: Any) -> list[tuple[Any, str, Callable[[Any], Any]]]:
+    """What :func:`patch_server` replaces, where this mlx-lm's server still has it as expected:
+    the owner, the name and the replacement's maker of each (a warning for each missing)."""
+    found = []
+    handler = getattr(server, "APIHandler", None)
+    generator = getattr(server, "ResponseGenerator", None)
+    try:
+        parameters = list(inspect.signature(handler.handle_completion).parameters)
+        generate = inspect.signature(generator.generate).parameters
+        if parameters != ["self", "request", "stop_words"] or "progress_callback" not in generate:
+            raise AttributeError(f"handle_completion{parameters}, generate{list(generate)}")
+        if "response_generator" not in inspect.signature(handler.__init__).parameters:
+            raise AttributeError("APIHandler takes no response_generator")
+        found.append((handler, "handle_completion", _answering))
+    except (AttributeError, TypeError, ValueError) as error:
+        _server_lost(
+            "answering every request",
+            error,
+            "an error during a generation may close the connection without an answer",
+        )
+    try:
+        _refeeding_works(server.LRUPromptCache)
+        found.append((server, "LRUPromptCache", _refeeding))
+    except Exception as error:
+        _server_lost(
+            "answering a prompt its prompt cache holds exactly",
+            error,
+            "such a request is refused (an empty prompt) instead of answered",
+        )
+    if callable(getattr(generator, "_run_generate", None)):
+        found.append((generator, "_run_generate", _clearing_streams))
+    else:
+        _server_lost(
+            "ending its generation thread with mx.clear_streams()",
+            "no ResponseGenerator._run_generate",
+            "the server may abort at exit ('terminate called without an active exception')",
+        )
+    return found
+
+
+#: What :func:`patch_server` replaced: ``(owner, name) -> original``.
+_server_originals: dict[tuple[Any, str], Any] = {}
+
+
+def patch_server() -> bool:
+    """Makes ``mlx_lm.server`` (imported here) answer every request; idempotent.
+
+    - ``APIHandler.handle_completion`` answers an error raised by a generation with an HTTP
+      error (400 for a ``ValueError``, else 500, with ``{"error": message}``), or, once a
+      stream's 200 status was sent, with an error event and ``data: [DONE]``.
+    - ``LRUPromptCache``, as the server makes it, answers a prompt it holds exactly with the
+      cache less the last token and that token, so that the next token is computed again.
+    - ``ResponseGenerator._run_generate`` ends the generation thread with ``mx.clear_streams()``.
+
+    Returns:
+        bool: whether mlx-lm's server could be imported (an mlx-lm without it changes nothing).
+    """
+    try:
+        server = importlib.import_module("mlx_lm.server")
+    except ImportError:
+        return False
+    for owner, name, make in _server_probes(server):
+        if (owner, name) not in _server_originals:
+            original = getattr(owner, name)
+            _server_originals[owner, name] = original
+            setattr(owner, name, make(original))
+    return True
+
+
+def unpatch_server() -> None:
+    """Restores what :func:`patch_server` replaced; idempotent."""
+    for (owner, name), original in _server_originals.items():
+        setattr(owner, name, original)
+    _server_originals.clear()
+
+
 # --- the report --------------------------------------------------------------------------------
 
 
@@ -664,6 +953,7 @@ def report() -> dict[str, bool]:
 
     arrays = ArraysCache(size=2)
     rotating = RotatingKVCache(max_size=4)
+    server = importlib.import_module("mlx_lm.server")
     return {
         "rotating caches trimmed in place": rotating_trims(),
         "rotating caches that keep tokens verified in one call": rotating_masks(),
@@ -671,6 +961,7 @@ def report() -> dict[str, bool]:
         "ArraysCache snapshots through state": snapshot(arrays)[0] == "state",
         "RotatingKVCache snapshots through state": snapshot(rotating)[0] == "state",
         "mlx-lm's functions found": lm.greedy_sampler is not None,
+        "mlx-lm's server patched whole": len(_server_probes(server)) == 3,
     }
 
 

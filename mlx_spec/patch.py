@@ -1,24 +1,35 @@
 """``patch_mlx_lm``: mlx-lm's own generation, command and server through mlx-spec's loop.
 
-:func:`patch_mlx_lm` replaces, in the loaded mlx-lm:
+:func:`patch_mlx_lm` imports ``mlx_lm.server`` and replaces, in the loaded mlx-lm:
 
 - ``mlx_lm.generate.speculative_generate_step`` by mlx-spec's. mlx-lm's ``stream_generate``
-  looks it up when it gets a ``draft_model``, and its server calls that ``stream_generate``.
-- ``stream_generate`` in ``mlx_lm.generate`` and ``mlx_lm`` by a function that runs mlx-spec's
-  :func:`mlx_spec.generation.stream_generate` when there is a draft model (so ``max_kv_size``
-  makes rotating caches there too) or, with ``prompt_lookup=True``, when there is none; and
-  mlx-lm's own otherwise. ``generate`` and the ``mlx_lm.generate`` command go through it.
-- ``make_sampler`` in ``mlx_lm.sample_utils``, ``mlx_lm.generate`` and, when imported,
-  ``mlx_lm.server`` by a wrapper returning mlx-lm's own sampler (called exactly as before, so
-  generation without speculation is unchanged) that also carries ``probs``, its distribution
-  from :func:`mlx_spec.sampling.make_sampler`; drafts are then kept by rejection sampling.
-  Greedy and XTC samplers are returned as they are (XTC keeps mlx-lm's rule, with a warning).
+  looks it up when it gets a ``draft_model``.
+- ``stream_generate`` in ``mlx_lm.generate``, ``mlx_lm`` and ``mlx_lm.server`` by a function
+  that runs mlx-spec's :func:`mlx_spec.generation.stream_generate` when there is a draft model
+  (so ``max_kv_size`` makes rotating caches there too) or, with ``prompt_lookup=True``, when
+  there is none; and mlx-lm's own otherwise. The server serves a request with a draft model
+  through it; ``generate`` and the ``mlx_lm.generate`` command go through it.
+- ``generate`` in ``mlx_lm.generate`` and ``mlx_lm`` (the command calls it) by mlx-lm's own,
+  which with ``verbose=True`` and speculation also prints the rounds, the draft tokens drafted
+  and accepted, and the tokens per round.
+- ``make_sampler`` in ``mlx_lm.sample_utils``, ``mlx_lm.generate`` and ``mlx_lm.server`` by a
+  wrapper returning mlx-lm's own sampler (called exactly as before, so generation without
+  speculation is unchanged) that also carries ``probs``, its distribution from
+  :func:`mlx_spec.sampling.make_sampler`; drafts are then kept by rejection sampling. Greedy and
+  XTC samplers are returned as they are (XTC keeps mlx-lm's rule, with a warning).
+- In ``mlx_lm.server`` (through :func:`mlx_spec._mlx_lm.patch_server`): every error of a
+  generation is answered (400 for an argument the loop refuses, such as ``num_draft_tokens``
+  above :data:`~mlx_spec.draft_length.MAX_DRAFT_TOKENS`, else 500, with ``{"error": message}``;
+  in a stream whose 200 status was sent, an error event and ``data: [DONE]``); a prompt that the
+  prompt cache holds exactly is answered, its last token fed again; the generation thread ends
+  with ``mx.clear_streams()``.
 
 :func:`unpatch_mlx_lm` undoes it.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Generator
 from dataclasses import dataclass
@@ -37,9 +48,13 @@ Sampler = generation.Sampler
 
 _LM_SAMPLER_SIGNATURE = inspect.signature(lm.make_sampler)
 _LM_STREAM_SIGNATURE = inspect.signature(lm.stream_generate)
+# mlx-lm's generate, as it was before any patch.
+_lm_generate = importlib.import_module("mlx_lm.generate").generate
+_LM_GENERATE_SIGNATURE = inspect.signature(_lm_generate)
 
 _SAMPLER_MODULES = ("mlx_lm.sample_utils", "mlx_lm.generate", "mlx_lm.server")
-_STREAM_MODULES = ("mlx_lm.generate", "mlx_lm")
+_STREAM_MODULES = ("mlx_lm.generate", "mlx_lm", "mlx_lm.server")
+_GENERATE_MODULES = ("mlx_lm.generate", "mlx_lm")
 
 # Whether the patched stream_generate drafts by prompt lookup when it has no draft model.
 _options = {"prompt_lookup": False}
@@ -101,6 +116,33 @@ def _stream_generate(*args: Any, **kwargs: Any) -> Generator[GenerationResponse,
     return generation.stream_generate(*args, **kwargs)
 
 
+def _speculation_line(stats: generation.SpeculativeStats) -> str:
+    """What a speculative generation did, as one line: ``Speculation: 12 rounds, 30/40 draft
+    tokens accepted, 3.50 tokens per round`` (``nothing drafted`` when no round drafted)."""
+    drafts = f"{stats.accepted}/{stats.drafted} draft tokens accepted" if stats.drafted else ""
+    return (
+        f"Speculation: {stats.rounds} rounds, {drafts or 'nothing drafted'}, "
+        f"{stats.tokens_per_round:.2f} tokens per round"
+    )
+
+
+def _generate(*args: Any, **kwargs: Any) -> Any:
+    """mlx-lm's ``generate`` while patched: its own, and with ``verbose`` and speculation a line
+    of the speculation's counts after its output (see :func:`_speculation_line`)."""
+    bound = _LM_GENERATE_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    options = bound.arguments.get("kwargs", {})
+    speculates = options.get("draft_model") is not None or (
+        options.get("drafter", "prompt-lookup" if _options["prompt_lookup"] else None) is not None
+    )  # as _stream_generate decides
+    if bound.arguments["verbose"] is not True or not speculates:
+        return _lm_generate(*args, **kwargs)
+    stats = kwargs.setdefault("stats", generation.SpeculativeStats())
+    text = _lm_generate(*args, **kwargs)
+    print(_speculation_line(stats))
+    return text
+
+
 def patch_mlx_lm(*, prompt_lookup: bool = False) -> None:
     """Routes mlx-lm's speculative decoding through mlx-spec; idempotent.
 
@@ -116,6 +158,8 @@ def patch_mlx_lm(*, prompt_lookup: bool = False) -> None:
     if not isinstance(prompt_lookup, bool):
         raise ValueError(f"patch_mlx_lm: `prompt_lookup` must be a bool, got {prompt_lookup!r}")
     _options["prompt_lookup"] = prompt_lookup
+    # Imported first, so that the server's own names are replaced below.
+    _mlx_lm.patch_server()
     _mlx_lm.replace(
         ("mlx_lm.generate",),
         "speculative_generate_step",
@@ -123,6 +167,7 @@ def patch_mlx_lm(*, prompt_lookup: bool = False) -> None:
         lm.speculative_generate_step,
     )
     _mlx_lm.replace(_STREAM_MODULES, "stream_generate", _stream_generate, lm.stream_generate)
+    _mlx_lm.replace(_GENERATE_MODULES, "generate", _generate, _lm_generate)
     _mlx_lm.replace(_SAMPLER_MODULES, "make_sampler", _make_mlx_lm_sampler, lm.make_sampler)
 
 
@@ -130,11 +175,13 @@ def unpatch_mlx_lm() -> None:
     """Restores what :func:`patch_mlx_lm` replaced, also in mlx-lm modules imported meanwhile
     (which took the patched functions); idempotent."""
     _options["prompt_lookup"] = False
+    _mlx_lm.unpatch_server()
     _mlx_lm.restore_everywhere(
         {
             _make_mlx_lm_sampler: lm.make_sampler,
             _stream_generate: lm.stream_generate,
+            _generate: _lm_generate,
             generation.speculative_generate_step: lm.speculative_generate_step,
         },
-        ("make_sampler", "stream_generate", "speculative_generate_step"),
+        ("make_sampler", "stream_generate", "generate", "speculative_generate_step"),
     )

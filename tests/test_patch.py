@@ -174,33 +174,86 @@ def mlx_lm_package():
     return mlx_lm
 
 
+def server_parts(server) -> tuple:
+    """What the patch replaces in mlx-lm's server (its own names, its handler, its cache)."""
+    return (
+        server.make_sampler,
+        server.stream_generate,
+        server.LRUPromptCache,
+        server.APIHandler.handle_completion,
+        server.ResponseGenerator._run_generate,
+    )
+
+
 def test_patch_and_unpatch_are_idempotent_and_exact() -> None:
     server = pytest.importorskip("mlx_lm.server")
     originals = (
         lm_generate.speculative_generate_step,
         lm_sample_utils.make_sampler,
         lm_generate.make_sampler,
-        server.make_sampler,
         lm_generate.stream_generate,
+        lm_generate.generate,
+        *server_parts(server),
     )
     patch_mlx_lm()
+    patched_server = server_parts(server)
     patch_mlx_lm()
     assert lm_generate.speculative_generate_step is speculative_generate_step
     for module in (lm_sample_utils, lm_generate, server):
         assert module.make_sampler is not originals[1]
         assert callable(module.make_sampler(temp=0.5).probs)
     # stream_generate is replaced too, so that mlx-lm's own `max_kv_size` reaches the loop.
-    assert lm_generate.stream_generate is not originals[4]
+    assert lm_generate.stream_generate is not originals[3]
     assert mlx_lm_package().stream_generate is lm_generate.stream_generate
+    assert server.stream_generate is lm_generate.stream_generate
+    assert mlx_lm_package().generate is lm_generate.generate is not originals[4]
+    # Each part of the server replaced once (a second patch wraps nothing again).
+    assert server_parts(server) == patched_server
+    assert all(p is not o for p, o in zip(patched_server, originals[5:], strict=True))
     unpatch_mlx_lm()
     unpatch_mlx_lm()
     assert (
         lm_generate.speculative_generate_step,
         lm_sample_utils.make_sampler,
         lm_generate.make_sampler,
-        server.make_sampler,
         lm_generate.stream_generate,
+        lm_generate.generate,
+        *server_parts(server),
     ) == originals
+    assert mlx_lm_package().generate is originals[4]
+
+
+def test_patched_generate_verbose_shows_the_speculation(patched, target, drafts, capsys) -> None:
+    import mlx_lm
+
+    stats = SpeculativeStats()
+    text = mlx_lm.generate(
+        target, ByteTokenizer(), PROMPT, verbose=True, max_tokens=30,
+        draft_model=drafts["truncated"], num_draft_tokens=3, stats=stats,
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert text and stats.rounds and stats.drafted
+    line = (
+        f"Speculation: {stats.rounds} rounds, {stats.accepted}/{stats.drafted} draft tokens "
+        f"accepted, {stats.tokens_per_round:.2f} tokens per round"
+    )
+    assert out.endswith(f"Peak memory: {out.split('Peak memory: ')[1].splitlines()[0]}\n{line}\n")
+    # Without speculation, mlx-lm's own output.
+    mlx_lm.generate(target, ByteTokenizer(), PROMPT, verbose=True, max_tokens=5)
+    assert "Speculation" not in capsys.readouterr().out
+    # Not verbose: nothing printed.
+    mlx_lm.generate(target, ByteTokenizer(), PROMPT, max_tokens=5, draft_model=drafts["self"])
+    assert capsys.readouterr().out == ""
+
+
+def test_patched_generate_says_when_nothing_was_drafted(patched, target, drafts, capsys) -> None:
+    # One token: its round drafts nothing (no token would be left to verify a draft against).
+    lm_generate.generate(
+        target, ByteTokenizer(), PROMPT, verbose=True, max_tokens=1, draft_model=drafts["self"]
+    )
+    assert "Speculation: 1 rounds, nothing drafted, 1.00 tokens per round\n" in (
+        capsys.readouterr().out
+    )
 
 
 def test_patched_mlx_lm_command_keeps_every_draft_of_the_target_itself(
@@ -234,7 +287,10 @@ def test_patched_mlx_lm_command_keeps_every_draft_of_the_target_itself(
     argv += " --max-tokens 21 --seed 0 --ignore-chat-template --prompt hello"
     monkeypatch.setattr(sys, "argv", argv.split())
     lm_generate.main()
-    assert capsys.readouterr().out
+    out = capsys.readouterr().out
+    # mlx-lm's summary, and the speculation's: 4 rounds of 4 kept drafts, then one of 0.
+    assert "Generation: 21 tokens" in out
+    assert "Speculation: 5 rounds, 16/16 draft tokens accepted, 4.20 tokens per round" in out
     assert rounds and {mode for mode, _, _ in rounds} == {"coupled"}
     # Every draft token kept, and no round drafts more than the tokens left after its own.
     assert all(from_draft == min(n, 20 - 5 * i) for i, (_, n, from_draft) in enumerate(rounds))

@@ -4,9 +4,10 @@ The patched server is ``examples/serve.py`` (``patch_mlx_lm()``, then ``mlx_lm.s
 ``main``, its generation thread ended by ``mx.clear_streams()``) on the shipped demo pair, bound
 to 127.0.0.1; the reference is mlx-lm's own server (``python -m mlx_lm server``) on the same
 models. Requests go through the OpenAI-style ``/v1/completions`` and ``/v1/chat/completions``
-endpoints, streamed (server-sent events) and not. The quick test sends a few; the load test
-(marker ``slow``) 8 concurrent clients x 25. Every wait is bounded: the server's start and stop,
-each socket operation, and the load as a whole."""
+endpoints, streamed (server-sent events) and not. The quick tests send a few, and requests
+that mlx-lm's handler would leave without an answer (an argument mlx-spec refuses, a prompt its
+prompt cache holds exactly); the load test (marker ``slow``) 8 concurrent clients x 25. Every wait
+is bounded: the server's start and stop, each socket operation, and the load as a whole."""
 
 from __future__ import annotations
 
@@ -126,15 +127,15 @@ def unpatched_server(logs: Path) -> Server:
 
 def assert_clean_exit(code: int, stderr: str, hang_ups: int = 0, refused: int = 0) -> None:
     """Exit status 0 and no abort; the only tracebacks are mlx-lm's for clients that hung up
-    (it logs each broken connection), at most one per ``hang_ups``, and for requests that
-    mlx-spec refused with a ValueError, exactly ``refused``."""
+    (it logs each broken connection), at most one per ``hang_ups``; requests that mlx-spec
+    refused, exactly ``refused``, are logged as a line each, with no traceback."""
     assert code == 0, stderr
     assert ABORT not in stderr, stderr
     # Counted, not parsed: the request threads' log lines interleave with the tracebacks.
     tracebacks = stderr.count("Traceback (most recent call last):")
     broken = len(re.findall(r"^(?:BrokenPipeError|ConnectionResetError)\b", stderr, re.M))
-    errors = len(re.findall(r"^ValueError: speculative_generate_step: ", stderr, re.M))
-    assert errors == refused and tracebacks == broken + errors, stderr
+    assert stderr.count("mlx-spec: refused a request: ") == refused, stderr
+    assert tracebacks == broken, stderr
     assert broken <= hang_ups, stderr
 
 
@@ -154,6 +155,7 @@ class Request:
     max_tokens: int = 8
     xtc_probability: float = 0.0
     cancel_after: int | None = None
+    text: str | None = None  # the prompt's text, instead of PROMPTS[prompt]
 
     @property
     def greedy(self) -> bool:
@@ -161,10 +163,11 @@ class Request:
 
     def body(self) -> dict:
         body: dict = {"max_tokens": self.max_tokens, "temperature": self.temperature}
+        text = PROMPTS[self.prompt] if self.text is None else self.text
         if self.chat:
-            body["messages"] = [{"role": "user", "content": PROMPTS[self.prompt]}]
+            body["messages"] = [{"role": "user", "content": text}]
         else:
-            body["prompt"] = PROMPTS[self.prompt]
+            body["prompt"] = text
         if self.stream:
             body["stream"] = True
         if self.seed is not None:
@@ -178,13 +181,16 @@ class Request:
 
 @dataclass
 class Reply:
-    """What came back: the text, each chunk's ``finish_reason`` (one for a whole body), and
-    whether a stream ended with ``data: [DONE]``."""
+    """What came back: the text, each chunk's ``finish_reason`` (one for a whole body), whether
+    a stream ended with ``data: [DONE]``, a whole body's ``usage``, and the error of an error
+    response or of a stream's error event."""
 
     status: int
     text: str = ""
     finish_reasons: list = field(default_factory=list)
     done: bool = False
+    usage: dict = field(default_factory=dict)
+    error: str | None = None
 
 
 def send(port: int, request: Request) -> Reply:
@@ -198,6 +204,7 @@ def send(port: int, request: Request) -> Reply:
         response = connection.getresponse()
         reply = Reply(response.status)
         if response.status != 200:
+            reply.error = json.loads(response.read())["error"]
             return reply
         if not request.stream:
             body = json.loads(response.read())
@@ -205,7 +212,7 @@ def send(port: int, request: Request) -> Reply:
             choice = body["choices"][0]
             reply.text = (choice["message"]["content"] or "") if request.chat else choice["text"]
             reply.finish_reasons.append(choice["finish_reason"])
-            usage = body["usage"]
+            reply.usage = usage = body["usage"]
             assert 0 < usage["completion_tokens"] <= request.max_tokens, usage
             assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
             return reply
@@ -220,6 +227,10 @@ def send(port: int, request: Request) -> Reply:
                 reply.done = True
                 continue
             event = json.loads(line[len("data: ") :])
+            if "error" in event:
+                assert reply.error is None, "a second error event"
+                reply.error = event["error"]
+                continue
             expected = "chat.completion.chunk" if request.chat else "text_completion"
             assert event["object"] == expected, event
             choice = event["choices"][0]
@@ -261,14 +272,10 @@ def test_patched_server_answers_both_endpoints_and_exits_cleanly(tmp_path):
         first, second = send(server.port, xtc), send(server.port, xtc)
         assert_answered(xtc, first)
         assert first.text == second.text and first.text.strip()
-        # An absurd draft length is refused at once (issue 15), with mlx-spec's message on the
-        # server's stderr; mlx-lm's handler then drops that connection (or answers an error), and
-        # the server serves the next request.
+        # An absurd draft length is refused at once (issue 15) with a 400 and mlx-spec's message,
+        # logged on the server's stderr; the server serves the next request.
         absurd = Request(chat=False, prompt=0, num_draft_tokens=10**6, max_tokens=4)
-        try:
-            assert send(server.port, absurd).status >= 400
-        except http.client.RemoteDisconnected:
-            pass
+        assert send(server.port, absurd).status == 400
         again = Request(chat=False, prompt=0, num_draft_tokens=3, max_tokens=4)
         assert_answered(again, send(server.port, again))
         code, stderr = server.interrupt()
@@ -278,6 +285,99 @@ def test_patched_server_answers_both_endpoints_and_exits_cleanly(tmp_path):
         # One greedy generation, streamed or not.
         assert replies[chat, True].text == replies[chat, False].text
         assert replies[chat, False].text.strip()
+
+
+# -- requests that mlx-lm's handler leaves without an answer -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    """One patched server for the tests below, which each leave it able to serve."""
+    with patched_server(tmp_path_factory.mktemp("server")) as running:
+        yield running
+
+
+def assert_serves(server: Server) -> None:
+    """The server still answers a plain request."""
+    request = Request(chat=True, prompt=2, max_tokens=4)
+    assert_answered(request, send(server.port, request))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("chat", [False, True])
+def test_num_draft_tokens_above_the_limit_gets_a_400_naming_it(server, chat, stream):
+    # mlx-lm's own server takes any num_draft_tokens >= 0; mlx-spec drafts at most 64 a round.
+    # A stream is refused before its 200 status too: the loop checks its arguments first.
+    request = Request(chat=chat, prompt=0, stream=stream, num_draft_tokens=100, max_tokens=4)
+    reply = send(server.port, request)
+    assert reply.status == 400, reply
+    assert "`num_draft_tokens` must be an int in [0, 64], got 100" in reply.error, reply
+    assert_serves(server)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_error_in_a_generation_gets_an_http_error(server, stream):
+    # An empty prompt (the text tokenizes to no token): mlx-spec's loop refuses it when asked
+    # for its first token, after mlx-lm's handler took the request.
+    request = Request(chat=False, prompt=0, stream=stream, text="", max_tokens=4)
+    reply = send(server.port, request)
+    assert reply.status == 400, reply
+    assert "`prompt` must be a non-empty" in reply.error, reply
+    assert_serves(server)
+
+
+@pytest.mark.parametrize(("stream", "prompt", "tokens"), [(False, 0, 8), (True, 1, 6)])
+def test_a_prompt_the_prompt_cache_holds_exactly_is_answered(server, stream, prompt, tokens):
+    # The prompt is an earlier prompt and its completion, whose text the demo's tokenizer gives
+    # back as the same tokens: the server's prompt cache holds it all, and mlx-lm's server would
+    # pass an empty prompt. The last token is fed again, so the answer continues greedy
+    # decoding: the two answers are the first one of twice the length.
+    first = send(server.port, Request(chat=False, prompt=prompt, max_tokens=tokens))
+    assert first.finish_reasons == ["length"], first
+    text = PROMPTS[prompt] + first.text
+    whole = Request(chat=False, prompt=prompt, stream=stream, text=text, max_tokens=tokens)
+    reply = send(server.port, whole)
+    assert_answered(whole, reply)
+    if not stream:
+        # Every prompt token but the last came from the cache: an exact hit.
+        held = first.usage["total_tokens"]
+        assert reply.usage["prompt_tokens"] == held, (first.usage, reply.usage)
+        assert reply.usage["prompt_tokens_details"]["cached_tokens"] == held - 1, reply.usage
+    longer = send(server.port, Request(chat=False, prompt=prompt, max_tokens=2 * tokens))
+    assert first.text + reply.text == longer.text
+
+
+def test_the_patched_servers_prompt_cache_feeds_an_exact_hits_last_token_again():
+    import mlx.core as mx
+    from mlx_lm import server
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    def kv(length: int) -> KVCache:
+        layer = KVCache()
+        layer.update_and_fetch(mx.zeros((1, 1, length, 2)), mx.zeros((1, 1, length, 2)))
+        return layer
+
+    def arrays(value: float) -> ArraysCache:
+        layer = ArraysCache(1)
+        layer[0] = mx.full((1, 2), value)
+        return layer
+
+    mlx_spec.patch_mlx_lm()
+    try:
+        trimmable, recurrent = server.LRUPromptCache(8), server.LRUPromptCache(8)
+    finally:
+        mlx_spec.unpatch_mlx_lm()
+    trimmable.insert_cache("m", [1, 2, 3, 4, 5], [kv(5)])
+    for _ in range(2):  # the entry itself is left whole
+        cache, rest = trimmable.fetch_nearest_cache("m", [1, 2, 3, 4, 5])
+        assert rest == [5] and cache[0].offset == 4
+    # A recurrent cache cannot be trimmed: the nearest cache of the prompt less its last token.
+    recurrent.insert_cache("m", [1, 2, 3], [arrays(3.0)])
+    recurrent.insert_cache("m", [1, 2, 3, 4, 5], [arrays(5.0)])
+    cache, rest = recurrent.fetch_nearest_cache("m", [1, 2, 3, 4, 5])
+    assert rest == [4, 5] and cache[0][0].tolist() == [[3.0, 3.0]]
+    cache, rest = recurrent.fetch_nearest_cache("n", [1, 2])
+    assert cache is None and rest == [1, 2]
 
 
 # -- the load ----------------------------------------------------------------------------------
