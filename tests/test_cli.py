@@ -122,6 +122,11 @@ SPECULATION = re.compile(
     r"(?P<n>\d+), (?P<rounds>\d+) rounds, (?P<drafted>\d+) drafted, (?P<accepted>\d+) accepted "
     r"\(acceptance rate (?P<rate>[\d.]+)%\), (?P<per_round>[\d.]+) tokens per round"
 )
+# The line when no round drafted (a generation of one token, or prompt lookup finding nothing).
+NOTHING_DRAFTED = re.compile(
+    r"Speculation: (?:draft model|prompt lookup), N (?:fixed|adaptive, at most) \d+, "
+    r"(?P<rounds>\d+) rounds, nothing drafted, (?P<per_round>[\d.]+) tokens per round; seed \d+"
+)
 
 
 def generated_text(stdout: str) -> str:
@@ -166,6 +171,9 @@ def test_help_of_each_subcommand_names_its_options(command, options):
         assert option in text, option
 
 
+KV_BITS_AND_SIZE = ("--kv-bits", "4", "--max-kv-size", "64")
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -175,6 +183,9 @@ def test_help_of_each_subcommand_names_its_options(command, options):
         ("bench", "--help"),
         ("demo", "-n", "0"),
         ("generate", "--model", "no-such-folder/", "--draft-model", DRAFT, "--prompt", "x"),
+        ("--version",),
+        ("generate", "--model", TARGET, "--prompt-lookup", "--prompt", ""),
+        ("generate", "--model", TARGET, "--prompt-lookup", "--prompt", "x", *KV_BITS_AND_SIZE),
     ],
 )
 def test_help_and_early_errors_do_not_import_mlx_lm(args):
@@ -188,6 +199,15 @@ def test_help_and_early_errors_do_not_import_mlx_lm(args):
     assert proc.returncode in (0, 2), proc.stderr
     for heavy in ("mlx_lm", "matplotlib", "transformers"):
         assert heavy not in proc.stderr, heavy
+
+
+def test_version_names_mlx_spec_mlx_and_mlx_lm():
+    from importlib.metadata import version
+
+    proc = mlx_spec_main("--version")
+    assert proc.returncode == 0 and proc.stderr == ""
+    expected = f"mlx-spec {mlx_spec.__version__} (mlx {version('mlx')}, mlx-lm {version('mlx-lm')})"
+    assert proc.stdout == f"{expected}\n"
 
 
 def test_no_subcommand_is_a_one_line_error():
@@ -312,17 +332,48 @@ def test_a_hybrid_model_speculates_through_the_command(hybrid_folder, drafts):
     assert int(SPECULATION.search(proc.stdout)["drafted"]) > 0
 
 
-def test_kv_bits_and_max_kv_size_reach_the_loop():
+def test_max_kv_size_reaches_the_loop():
     from mlx_lm import generate as mlx_lm_generate
     from mlx_lm import load
 
     prompt = "class Queue:\n    def put(self, item):\n"
-    options = ("--kv-bits", "8", "--max-kv-size", "64")
-    proc = generate("--temp", "0", "--max-tokens", "24", *options, prompt=prompt)
+    proc = generate("--temp", "0", "--max-tokens", "24", "--max-kv-size", "64", prompt=prompt)
     assert proc.returncode == 0, proc.stderr
     model, tokenizer = load(TARGET)
-    expected = mlx_lm_generate(model, tokenizer, prompt, max_tokens=24, kv_bits=8, max_kv_size=64)
+    expected = mlx_lm_generate(model, tokenizer, prompt, max_tokens=24, max_kv_size=64)
     assert generated_text(proc.stdout) == expected
+
+
+@pytest.mark.parametrize("drafts", [["--prompt-lookup"], ["--draft-model", DRAFT]])
+def test_kv_bits_with_max_kv_size_is_refused(drafts):
+    # The guide says they do not combine: mlx-lm has no quantized rotating cache. Refused before
+    # the models load: the target folder does not exist.
+    proc = mlx_spec_main(
+        "generate", "--model", "nowhere", *drafts, "--prompt", "x", *KV_BITS_AND_SIZE
+    )
+    assert_one_line_error(
+        proc, "mlx-spec generate: error: --kv-bits and --max-kv-size do not combine", "give one"
+    )
+
+
+@pytest.mark.parametrize("drafts", [["--prompt-lookup"], ["--draft-model", DRAFT]])
+def test_an_empty_prompt_is_a_one_line_error_saying_what_to_do(drafts):
+    proc = mlx_spec_main("generate", "--model", TARGET, *drafts, "--prompt", "")
+    assert_one_line_error(
+        proc, "mlx-spec generate: error: argument --prompt: is empty; give the text to continue"
+    )
+
+
+@pytest.mark.parametrize("drafts", [["--prompt-lookup"], ["--draft-model", DRAFT]])
+def test_a_generation_that_drafted_nothing_says_so(drafts):
+    # One token: its round has no token left after it to verify a draft against.
+    proc = mlx_spec_main(
+        "generate", "--model", TARGET, *drafts, "--prompt", "def f(x):", "--max-tokens", "1"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "acceptance rate" not in proc.stdout
+    found = NOTHING_DRAFTED.search(proc.stdout)
+    assert found and (found["rounds"], found["per_round"]) == ("1", "1.00"), proc.stdout
 
 
 def test_kv_bits_reaches_the_loop(tmp_path):

@@ -8,6 +8,7 @@
   any mlx-lm model, streamed, with the speculation's counts at the end.
 - ``mlx-spec bench [--out DIR] [--quick]`` (:mod:`.bench`): generation on the shipped pair,
   every method interleaved, as a table and ``results.json``.
+- ``mlx-spec --version``: the versions of mlx-spec, MLX and mlx-lm.
 
 Each command module has its own parser (``setup_arg_parser``) and ``main``. Errors are one line on
 stderr saying what to do, with exit status 2. mlx-lm is imported only once the arguments are
@@ -20,7 +21,9 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 
+from .. import __version__
 from ._common import Parser, run
 
 COMMANDS = {
@@ -31,12 +34,28 @@ COMMANDS = {
 """Each command's name (its module here) and its line in ``mlx-spec --help``."""
 
 
+def version() -> str:
+    """``mlx-spec 0.1.0 (mlx 0.32.1, mlx-lm 0.32.2)``: read from the installed packages' metadata,
+    so that mlx-lm is not imported."""
+
+    def installed(name: str) -> str:
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            return f"{name} not installed"
+
+    return f"mlx-spec {__version__} ({installed('mlx')}, {installed('mlx-lm')})"
+
+
 def setup_arg_parser() -> Parser:
     """The parser of the command's first word; each command parses the rest itself."""
     parser = Parser(
         prog="mlx-spec",
         description="Lossless speculative decoding for MLX and mlx-lm.",
         epilog="Run 'mlx-spec demo' first: it needs no download.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=version(), help="show the versions and exit"
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, line in COMMANDS.items():

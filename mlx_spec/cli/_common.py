@@ -167,6 +167,15 @@ def utf8_text(text: str) -> str:
     return text
 
 
+def prompt_text(text: str) -> str:
+    """A prompt: UTF-8 text that is not empty (a generation continues some text)."""
+    if not utf8_text(text):
+        raise argparse.ArgumentTypeError(
+            "is empty; give the text to continue, or the question to answer (with a chat model)"
+        )
+    return text
+
+
 def _number(text: str) -> float:
     try:
         value = float(text)

@@ -28,6 +28,7 @@ from ._common import (
     max_tokens,
     num_draft_tokens,
     prefer_mlx_attention,
+    prompt_text,
     run,
     seed,
     shown,
@@ -65,7 +66,9 @@ def setup_arg_parser() -> Parser:
         action="store_true",
         help="draft by prompt lookup (n-gram matches in the prompt and the text so far), no model",
     )
-    parser.add_argument("--prompt", type=utf8_text, required=True, help="the prompt text (UTF-8)")
+    parser.add_argument(
+        "--prompt", type=prompt_text, required=True, help="the prompt text (UTF-8, not empty)"
+    )
     parser.add_argument(
         "--temp", type=temperature, default=0.0, help="temperature, >= 0; 0 is greedy"
     )
@@ -113,13 +116,19 @@ def setup_arg_parser() -> Parser:
         "--max-kv-size",
         type=integer(1),
         default=None,
-        help="rotating caches of this many tokens for models without their own (mlx-lm's option)",
+        help=(
+            "rotating caches of this many tokens for models without their own (mlx-lm's option; "
+            "not with --kv-bits)"
+        ),
     )
     parser.add_argument(
         "--kv-bits",
         type=kv_bits,
         default=None,
-        help=f"quantize the caches to this many bits, {listing(KV_BITS)} (mlx-lm's option)",
+        help=(
+            f"quantize the caches to this many bits, {listing(KV_BITS)} (mlx-lm's option; not "
+            "with --max-kv-size: mlx-lm has no quantized rotating cache)"
+        ),
     )
     parser.add_argument(
         "--pipeline",
@@ -137,6 +146,15 @@ def setup_arg_parser() -> Parser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs ``mlx-spec generate``; returns the exit status (0, or 2 after a one-line error)."""
     return run(setup_arg_parser(), _generate, argv)
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """Refuses options that do not combine, before anything is loaded."""
+    if args.kv_bits is not None and args.max_kv_size is not None:
+        raise CliError(
+            "--kv-bits and --max-kv-size do not combine: mlx-lm has no quantized rotating cache; "
+            "give one of them"
+        )
 
 
 # -- loading and checking a model pair --------------------------------------------------------
@@ -225,6 +243,7 @@ def check_pair(tokenizer: Any, draft_tokenizer: Any) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    _check_options(args)
     # Imported after the options are checked: mlx is slow to import, and --help should not wait.
     import mlx.core as mx
 
@@ -295,10 +314,14 @@ def _generate(args: argparse.Namespace) -> int:
         )
     drafter = "prompt lookup" if args.prompt_lookup else "draft model"
     length = "fixed" if args.fixed else "adaptive, at most"
+    drafts = (
+        f"{stats.drafted} drafted, {stats.accepted} accepted "
+        f"(acceptance rate {stats.acceptance_rate:.1%})"
+        if stats.drafted
+        else "nothing drafted"
+    )
     print(
         f"Speculation: {drafter}, N {length} {args.num_draft_tokens}, {stats.rounds} rounds, "
-        f"{stats.drafted} drafted, {stats.accepted} accepted "
-        f"(acceptance rate {stats.acceptance_rate:.1%}), "
-        f"{stats.tokens_per_round:.2f} tokens per round; seed {key_seed}"
+        f"{drafts}, {stats.tokens_per_round:.2f} tokens per round; seed {key_seed}"
     )
     return 0
