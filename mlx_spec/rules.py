@@ -34,6 +34,7 @@ from typing import Any, Literal
 import mlx.core as mx
 
 from . import _mlx_lm, kernels
+from ._checks import INVALID_ROW
 from .acceptance import (
     _compile_per_thread,
     greedy_decision,
@@ -224,11 +225,11 @@ class Rule:
         if self.kind == "greedy":
             token, fed = greedy_token(logits, on_cpu=on_cpu)
             return token, fed, _logprobs(logits)
+        if _draws_categorical(self.sampler):
+            # One compiled graph a step: plain steps run where host work is most of a token.
+            return _coupled_step_graph(self.sampler)(logits, key)
         logprobs = _logprobs(logits)
-        result = matching_decision(
-            self._coupled(logprobs, key), _undecided(logprobs), mx.array([], mx.uint32), None
-        )
-        token = result[1:2]
+        token = mx.where(_undecided(logprobs), INVALID_ROW, self._coupled(logprobs, key))
         return token, mx.minimum(token, logits.shape[-1] - 1), logprobs
 
 
@@ -258,6 +259,20 @@ def _coupled_graph(sampler: Any) -> Callable[..., mx.array]:
         return mx.concatenate(tokens).astype(mx.uint32)
 
     return _compile_per_thread(coupled)
+
+
+@lru_cache(maxsize=32)
+def _coupled_step_graph(sampler: Any) -> Callable[..., tuple[mx.array, mx.array, mx.array]]:
+    """``(logits [1, V], states [1, 2]) -> (token, fed, logprobs)``: a plain step's draw (see
+    :meth:`Rule.step`), compiled per thread."""
+
+    def step(logits: mx.array, states: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        logprobs = _logprobs(logits)
+        drawn = mx.random.categorical(_scores(sampler, logprobs), key=_draw_key(states[0]))
+        token = mx.where(_undecided(logprobs), INVALID_ROW, drawn.astype(mx.uint32))
+        return token, mx.minimum(token, logits.shape[-1] - 1), logprobs
+
+    return _compile_per_thread(step)
 
 
 def _keys_per_call(sampler: Sampler) -> int:
