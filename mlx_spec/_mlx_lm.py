@@ -53,6 +53,7 @@ from mlx_lm.models.cache import RotatingKVCache, can_trim_prompt_cache, trim_pro
 __all__ = [
     "Positions",
     "decode_masks",
+    "decoder_layer",
     "is_greedy_sampler",
     "lm",
     "report",
@@ -63,6 +64,7 @@ __all__ = [
     "rotating_trims",
     "scoped_attention",
     "snapshot",
+    "split",
     "track",
     "tracking",
 ]
@@ -593,6 +595,82 @@ def tracking() -> Iterator[list[Positions]]:
         yield records
     finally:
         _local.records = previous
+
+
+# --- hidden states ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Split:
+    """A model as its backbone and its LM head: ``model(x, cache)`` is
+    ``head(backbone(x, cache))``, and the backbone's output (the input of the head, after the
+    final norm) is the hidden state drafters that read the target's states take.
+
+    Attributes:
+        backbone (callable): ``(tokens [B, L], cache) -> [B, L, H]``.
+        head (callable): ``[..., H] -> [..., V]`` logits.
+        embed (callable): ``[...] ids -> [..., H]``: the token embedding.
+        text (nn.Module): the language model whose ``model`` is the backbone (a model that wraps
+            one, as Qwen3.5's does, has it as ``language_model``).
+    """
+
+    backbone: Callable[..., mx.array]
+    head: Callable[[mx.array], mx.array]
+    embed: Callable[[mx.array], mx.array]
+    text: nn.Module
+
+
+def split(model: nn.Module) -> Split | None:
+    """``model`` as backbone and head (see :class:`Split`), or ``None`` where it is not built so:
+    checked once per model, on two tokens, by comparing ``head(backbone(x))`` with ``model(x)``
+    (a model whose logits are more than its head's output, a soft cap say, fails)."""
+    known = getattr(model, "_mlx_spec_split", None)
+    if known is not None:
+        return known or None
+    text = getattr(model, "language_model", model)
+    backbone = getattr(text, "model", None)
+    found = None
+    if backbone is not None and hasattr(backbone, "embed_tokens"):
+        lm_head = getattr(text, "lm_head", None)
+        head = lm_head if lm_head is not None else backbone.embed_tokens.as_linear
+        candidate = Split(backbone, head, backbone.embed_tokens, text)
+        try:
+            from mlx_lm.models.cache import make_prompt_cache
+
+            x = mx.array([[0, 1]])
+            whole = model(x, cache=make_prompt_cache(model))
+            parts = head(backbone(x, cache=make_prompt_cache(model)))
+            if whole.shape == parts.shape and mx.array_equal(whole, parts).item():
+                found = candidate
+        except Exception as error:  # a model of another build: its states are not read
+            _lost("reading the target's hidden states", error)
+    object.__setattr__(model, "_mlx_spec_split", found or False)
+    return found
+
+
+def decoder_layer(model: nn.Module) -> nn.Module:
+    """A new decoder layer of ``model``'s own kind, for an MTP head: full attention (a hybrid's
+    attention layer), and the MLP or MoE of the model's last layers; called ``layer(x, mask,
+    cache)``.
+
+    Raises:
+        ValueError: ``model``'s family is not one this knows (the message names it).
+    """
+    text = getattr(model, "language_model", model)
+    module = sys.modules[type(text).__module__]
+    args = text.args
+    family = module.__name__.rsplit(".", 1)[-1]
+    if family == "qwen3_next":
+        return module.Qwen3NextDecoderLayer(args, args.full_attention_interval - 1)
+    if family == "qwen3_5":
+        return module.DecoderLayer(args, args.full_attention_interval - 1)
+    if family == "deepseek_v3":
+        return module.DeepseekV3DecoderLayer(args, args.num_hidden_layers)
+    if family == "glm4_moe":
+        return module.DecoderLayer(args, args.num_hidden_layers)
+    if hasattr(module, "TransformerBlock"):  # llama, qwen2, qwen3, mistral and their kin
+        return module.TransformerBlock(args)
+    raise ValueError(f"an MTP head for a {family} model is not known (its decoder layer)")
 
 
 # --- attention ---------------------------------------------------------------------------------

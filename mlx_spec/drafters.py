@@ -97,12 +97,16 @@ class DraftSetup:
         quantize (callable): applied to a model drafter's caches after each call (mlx-lm's
             ``kv_bits`` quantization; by default, nothing).
         prefill_step_size (int): prompt tokens per prefill call.
+        target (Split, optional): the target as backbone, LM head and embedding
+            (:class:`mlx_spec._mlx_lm.Split`), for a drafter that reads its hidden states;
+            ``None`` for the others, or where the target's build does not expose them.
     """
 
     rule: Rule
     logits_processors: Sequence[LogitsProcessor] = ()
     quantize: Callable[[list[Any]], None] = field(default=lambda cache: None)
     prefill_step_size: int = 512
+    target: Any = None
 
 
 class Drafter(ABC):
@@ -115,6 +119,9 @@ class Drafter(ABC):
 
     #: Whether a proposal costs no model call, so the loop may ask for one it does not verify.
     free: bool = False
+    #: Whether the drafter reads the target's hidden states (:meth:`see`): the target's calls
+    #: then return them too, at no extra call. The others pay nothing.
+    reads_hidden: bool = False
 
     def start(self, text: Text, setup: DraftSetup) -> None:  # noqa: B027 (optional hook)
         """Prepares for a generation. Optional: the default does nothing.
@@ -141,6 +148,19 @@ class Drafter(ABC):
 
         Returns:
             Draft: at most ``n`` tokens (fewer, or none, when there is nothing to propose).
+        """
+
+    def see(self, hidden: mx.array, start: int, text: Text) -> None:  # noqa: B027 (optional hook)
+        """Learns the target's hidden states at text positions ``start, start + 1, ...``, for a
+        drafter with :attr:`reads_hidden`: after the prefill, after each round (the positions
+        kept) and after each plain step. Optional: the default does nothing.
+
+        Args:
+            hidden (array): ``[k, H]``: row ``i`` is the input of the target's LM head at text
+                position ``start + i`` (the state that predicted the token at ``start + i + 1``,
+                which ``text`` holds).
+            start (int): the text position of the first row.
+            text (Text): the text.
         """
 
     def update(self, text: Text, accepted: int) -> None:  # noqa: B027 (optional hook)

@@ -22,6 +22,7 @@ from mlx_lm.generate import GenerationResponse
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from . import _mlx_lm
 from ._checks import (
     check_callable,
     check_eos_ids,
@@ -42,6 +43,7 @@ from .draft_length import MAX_DRAFT_TOKENS, Adaptive, DraftPolicy, Fixed
 from .drafters import Drafter, DraftSetup, ModelDrafter, PromptLookupDrafter
 from .keys import KeyChain
 from .loop import Generation, SpeculativeStats, Target, Text, vocab_size
+from .mtp import MTPDrafter, head_of
 from .rules import ACCEPTANCE, make_rule
 
 generation_stream = lm.generation_stream
@@ -73,7 +75,12 @@ class SpeculativeResponse(GenerationResponse):
 
 
 def _drafter(
-    op: str, draft_model: object, drafter: object, prompt_cache: list[Any] | None, targets: int
+    op: str,
+    model: nn.Module,
+    draft_model: object,
+    drafter: object,
+    prompt_cache: list[Any] | None,
+    targets: int,
 ) -> Drafter:
     """The generation's drafter, from ``draft_model`` or ``drafter``; checks the caches' split."""
     if draft_model is not None and drafter is not None:
@@ -104,11 +111,26 @@ def _drafter(
         )
     if isinstance(drafter, str) and drafter == "prompt-lookup":
         return PromptLookupDrafter()
+    if isinstance(drafter, str) and drafter == "mtp":
+        return MTPDrafter(_mtp_head(op, model))
     if isinstance(drafter, Drafter):
         return drafter
     raise ValueError(
-        f"{op}: `drafter` must be 'prompt-lookup' or an mlx_spec.drafters.Drafter, got {drafter!r}"
+        f"{op}: `drafter` must be 'prompt-lookup', 'mtp' or an mlx_spec.drafters.Drafter, got "
+        f"{drafter!r}"
     )
+
+
+def _mtp_head(op: str, model: Any) -> Any:
+    """The MTP head :func:`mlx_spec.load` gave ``model``; a ``ValueError`` says how to add one."""
+    head = head_of(model) if isinstance(model, nn.Module) else None
+    if head is None:
+        raise ValueError(
+            f"{op}: `drafter='mtp'` needs the model's MTP head: load the model with "
+            "mlx_spec.load(path) from a folder that has one (`mlx-spec convert-mtp HF_DIR "
+            "MLX_DIR` adds it from the original checkpoint)"
+        )
+    return head
 
 
 def make_quantizer(
@@ -300,7 +322,7 @@ def speculative_generate_step(
         key = check_key(op, key)
     prompt_cache = check_prompt_cache(op, prompt_cache)
     targets = len(make_prompt_cache(model))
-    chosen = _drafter(op, draft_model, drafter, prompt_cache, targets)
+    chosen = _drafter(op, model, draft_model, drafter, prompt_cache, targets)
     target_cache = make_prompt_cache(model) if prompt_cache is None else prompt_cache[:targets]
     given = None if prompt_cache is None else "prompt_cache"
     check_caches(op, "the target's", target_cache, given, model)
@@ -344,6 +366,14 @@ def speculative_generate_step(
         quantized_kv_start=quantized_kv_start,
     )
     device = stream if isinstance(stream, mx.Device) else stream.device
+    split = None
+    if chosen.reads_hidden:
+        split = _mlx_lm.split(model)
+        if split is None:
+            raise ValueError(
+                f"{op}: {type(chosen).__name__} reads the target's hidden states, which this "
+                f"model ({type(model).__module__}) does not expose as the input of its LM head"
+            )
     target = Target(
         model,
         ModelCache(target_cache, model=model),
@@ -352,12 +382,13 @@ def speculative_generate_step(
         quantized_kv_start if kv_bits is not None else None,
         vocab,
         chunked=chunks_pay(device),
+        split=split,
     )
     generation = Generation(
         text=Text(prompt.astype(mx.uint32), ids, history),
         target=target,
         drafter=chosen,
-        setup=DraftSetup(rule, processors, quantize, prefill_step_size),
+        setup=DraftSetup(rule, processors, quantize, prefill_step_size, split),
         rule=rule,
         policy=policy,
         keys=keys,

@@ -183,6 +183,7 @@ class Target:
         quantized_kv_start: int | None,
         vocab: int | None,
         chunked: bool = False,
+        split: _mlx_lm.Split | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -192,6 +193,10 @@ class Target:
         self.vocab = vocab
         self.chunked = chunked
         self.exact_calls = multi_token_calls_exact(cache.layers)
+        #: The model as backbone and head, where a drafter reads its hidden states.
+        self.split = split
+        #: ``[k, H]``: the hidden states of the last call's positions (with :attr:`split`).
+        self.hidden: mx.array | None = None
 
     @property
     def processes(self) -> bool:
@@ -209,19 +214,31 @@ class Target:
         return len(text) - self.cache.length
 
     def feed(self, tokens: mx.array) -> mx.array:
-        """Runs the model on ``[k]`` tokens; returns its ``[k, V]`` logits (lazy)."""
+        """Runs the model on ``[k]`` tokens; returns its ``[k, V]`` logits (lazy), and keeps the
+        hidden states in :attr:`hidden` where a drafter reads them."""
         with self.cache.feeding(tokens.size):
-            logits = self.model(tokens[None], cache=self.cache.layers)
+            if self.split is None:
+                logits = self.model(tokens[None], cache=self.cache.layers)
+            else:
+                states = self.split.backbone(tokens[None], cache=self.cache.layers)
+                self.hidden = states[0]
+                logits = self.split.head(states)
         return logits[0]
 
-    def prefill(self, text: Text, step: int) -> None:
-        """Feeds all prompt tokens but the last, ``step`` at a time, quantizing as mlx-lm does."""
+    def prefill(self, text: Text, step: int) -> mx.array | None:
+        """Feeds all prompt tokens but the last, ``step`` at a time, quantizing as mlx-lm does.
+        Returns their ``[P - 1, H]`` hidden states where a drafter reads them (else, or with
+        nothing to feed, ``None``)."""
+        states = []
         while self.cache.length < len(text) - 1:
             self.cache.checkpoint()
             self.feed(text.tokens(self.cache.length, min(self.cache.length + step, len(text) - 1)))
+            if self.split is not None:
+                states.append(self.hidden)
             self.quantize(self.cache.layers)
             mx.eval([c.state for c in self.cache.layers])
             self.cache.forget()
+        return mx.concatenate(states) if states else None
 
     def room(self) -> int:
         """How many tokens a call may feed and give the logits that one-token steps would:
@@ -266,6 +283,8 @@ class Target:
         attention = chunking() if self.chunked and n else nullcontext()
         with _mlx_lm.decode_masks(self.cache.layers), self.cache.tracking(), attention:
             logits = self.feed(mx.concatenate([text.tokens(self.cache.length), fed]))[-(n + 1) :]
+        if self.split is not None:
+            self.hidden = self.hidden[-(n + 1) :]
         if not self.processors:
             return logits
         context = text.array()
@@ -378,7 +397,9 @@ class Generation:
                 total = len(self.text)
                 self.progress(0, total)
                 self.drafter.start(self.text, self.setup)
-                self.target.prefill(self.text, self.prefill_step_size)
+                hidden = self.target.prefill(self.text, self.prefill_step_size)
+                if hidden is not None:
+                    self.drafter.see(hidden, 0, self.text)
                 self.progress(total, total)
             limit = self.max_tokens if self.max_tokens >= 0 else math.inf
             while self._emitted < limit:
@@ -486,6 +507,9 @@ class Generation:
         self.text.extend(tokens)
         self.target.keep(length + kept, length)
         self.drafter.update(self.text, kept)
+        if self.target.split is not None:
+            # The positions kept: the one before the draft, and each kept draft token.
+            self.drafter.see(self.target.hidden[: len(tokens)], length - 1, self.text)
         self.stats.count(draft.size, accepted)
         self.stats.replayed += pending - 1
         outcome = Outcome(draft.size, accepted, draft.label, time.perf_counter() - start, not n)
@@ -523,7 +547,7 @@ class Generation:
         step = self._plain_step(missing, context, self.text.position)
         clock = time.perf_counter()
         while step is not None:
-            lazy, fed, logprobs = step
+            lazy, fed, logprobs, hidden = step
             made += 1
             ahead = None
             if made < last:
@@ -541,6 +565,8 @@ class Generation:
             self.text.extend([token])
             # The drafter follows the text (prompt lookup's index), so the next guess is current.
             self.drafter.update(self.text, 0)
+            if hidden is not None:
+                self.drafter.see(hidden, len(self.text) - 2, self.text)
             self.stats.count(0, 0)
             right = guess is not None and guess.size > 0 and guess.tokens.tolist()[0] == token
             tested = guess.size if guess is not None else 0
@@ -556,14 +582,16 @@ class Generation:
 
     def _plain_step(
         self, inputs: mx.array, context: mx.array | None, position: int
-    ) -> tuple[mx.array, mx.array, mx.array]:
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
         """One plain step at text ``position``, started: the lazy ``[1]`` token, the ``[1]`` id
-        to feed next and the ``[1, V]`` log-probabilities (see :meth:`Rule.step`)."""
+        to feed next, the ``[1, V]`` log-probabilities (see :meth:`Rule.step`) and, where a
+        drafter reads them, the ``[1, H]`` hidden state of the position fed last."""
         key = self.keys.states(position, 1) if self.keys is not None else None
         logits = self.target.step(inputs, context)
+        hidden = self.target.hidden[-1:] if self.target.split is not None else None
         token, fed, logprobs = self.rule.step(logits, key, on_cpu=self.on_cpu)
         mx.async_eval(token)
-        return token, fed, logprobs
+        return token, fed, logprobs, hidden
 
     def _propose(self, n: int) -> Draft:
         """The drafter's proposal of at most ``n`` tokens, checked: the rule decides without
