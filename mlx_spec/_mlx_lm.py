@@ -63,6 +63,7 @@ __all__ = [
     "rotating_trim",
     "rotating_trims",
     "scoped_attention",
+    "server_cached_tokens",
     "snapshot",
     "split",
     "track",
@@ -857,16 +858,34 @@ def _refeeding(prompt_cache_class: type) -> type:
         """mlx-lm's prompt cache, which never answers a prompt with no token to feed."""
 
         def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
+            cache, rest = self._nearest(model, tokens)
+            # What the cache holds, for drafters that copy from the text (server_cached_tokens).
+            _fetched.record = (cache, list(tokens[: len(tokens) - len(rest)]))
+            return cache, rest
+
+        def _nearest(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
             cache, rest = super().fetch_nearest_cache(model, tokens)
             if cache is None or len(rest) or not len(tokens):
                 return cache, rest
             if can_trim_prompt_cache(cache):
                 trim_prompt_cache(cache, 1)
                 return cache, list(tokens[-1:])
-            cache, rest = self.fetch_nearest_cache(model, tokens[:-1])
+            cache, rest = self._nearest(model, tokens[:-1])
             return cache, [*rest, *tokens[-1:]]
 
     return RefeedingPromptCache
+
+
+_fetched = threading.local()
+
+
+def server_cached_tokens(prompt_cache: Any) -> list[int] | None:
+    """The tokens the patched server's prompt cache said ``prompt_cache`` holds, when this thread
+    fetched it last (the server then generates from it on the same thread); else ``None``."""
+    record = getattr(_fetched, "record", None)
+    if record is None or record[0] is not prompt_cache or prompt_cache is None:
+        return None
+    return record[1]
 
 
 def _refeeding_works(prompt_cache_class: type) -> None:

@@ -107,12 +107,18 @@ def _make_mlx_lm_sampler(*args: Any, **kwargs: Any) -> Sampler:
 
 def _stream_generate(*args: Any, **kwargs: Any) -> Generator[GenerationResponse, None, None]:
     """mlx-lm's ``stream_generate`` while patched (see the module's description)."""
-    if _LM_STREAM_SIGNATURE.bind(*args, **kwargs).arguments.get("draft_model") is None:
+    arguments = _LM_STREAM_SIGNATURE.bind(*args, **kwargs).arguments
+    if arguments.get("draft_model") is None:
         if _options["prompt_lookup"]:
             kwargs.setdefault("drafter", "prompt-lookup")
         if kwargs.get("drafter") is None:
             kwargs.pop("drafter", None)
             return lm.stream_generate(*args, **kwargs)
+    if "cached_tokens" not in kwargs:
+        # The server passes only what its prompt cache lacks: lookup copies the rest too.
+        cached = _mlx_lm.server_cached_tokens(arguments.get("kwargs", {}).get("prompt_cache"))
+        if cached:
+            kwargs["cached_tokens"] = cached
     return generation.stream_generate(*args, **kwargs)
 
 

@@ -380,6 +380,58 @@ def test_the_patched_servers_prompt_cache_feeds_an_exact_hits_last_token_again()
     assert cache is None and rest == [1, 2]
 
 
+def test_a_warm_second_turn_drafts_from_the_first_and_gives_the_cold_text():
+    # A chat through the patched server's own parts, as its generation thread runs them: its
+    # prompt cache, then stream_generate with only the tokens the cache lacks. Prompt lookup is
+    # told what the cache holds (the first turn), so the warm turn drafts from it; a seeded
+    # request gives the same text cold and warm.
+    import importlib
+
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm import server
+
+    from mlx_spec.generation import SpeculativeStats
+
+    model, tokenizer = mlx_lm.load(TARGET)
+    first = tokenizer.encode("def read_config(path):\n    config = {}\n")
+    second = tokenizer.encode("\n\ndef read_config(path):\n", add_special_tokens=False)
+    mlx_spec.patch_mlx_lm(prompt_lookup=True)
+    try:
+        patched = importlib.import_module("mlx_lm.generate")
+        prompt_cache = server.LRUPromptCache(8)
+
+        def turn(
+            prompt: list[int], seed: int, cache_it: bool
+        ) -> tuple[list[int], SpeculativeStats]:
+            cache, rest = (
+                prompt_cache.fetch_nearest_cache("m", prompt) if cache_it else (None, prompt)
+            )
+            cache = cache if cache is not None else mlx_lm.models.cache.make_prompt_cache(model)
+            stats = SpeculativeStats()
+            mx.random.seed(seed)
+            sampler = mlx_lm.sample_utils.make_sampler(temp=0.7)
+            tokens = [
+                r.token
+                for r in patched.stream_generate(
+                    model, tokenizer, rest, max_tokens=48, prompt_cache=cache, sampler=sampler,
+                    num_draft_tokens=4, stats=stats,
+                )
+            ]  # fmt: skip
+            if cache_it:
+                prompt_cache.insert_cache("m", [*prompt, *tokens], cache)
+            return tokens, stats
+
+        reply, _ = turn(first, 3, cache_it=True)
+        warm, warm_stats = turn([*first, *reply, *second], 4, cache_it=True)
+        cold, cold_stats = turn([*first, *reply, *second], 4, cache_it=False)
+    finally:
+        mlx_spec.unpatch_mlx_lm()
+    assert warm == cold and len(warm) == 48
+    # Cold, lookup indexes the whole prompt too: the warm turn must draft as well as that.
+    assert warm_stats.drafted >= 0.8 * cold_stats.drafted > 0
+
+
 # -- the load ----------------------------------------------------------------------------------
 
 CLIENTS, REQUESTS = 8, 25
