@@ -1,28 +1,22 @@
 """How many tokens to draft each round: a :class:`DraftPolicy` the loop asks and tells.
 
-Before each round the loop asks :meth:`DraftPolicy.choose` for ``N``, given a :class:`Round` (the
-most the round may draft, the kind of proposal, the tokens the target still lacks); after it, the
-loop tells :meth:`DraftPolicy.observe` what happened (an :class:`Outcome`). ``N = 0`` runs plain
-steps of the target instead of a round. Two policies ship:
+Before each round the loop asks :meth:`DraftPolicy.choose` for ``N`` given a :class:`Round`, and
+after it tells :meth:`DraftPolicy.observe` what happened (an :class:`Outcome`); ``N = 0`` runs a
+plain step of the target. :class:`Fixed` always drafts ``n``. :class:`Adaptive` takes the ``N``
+that maximises ``E(N) / cost(N)``: a round drafting ``N`` yields ``E(N) = 1 + a + ... + a^N``
+tokens on average (``a``, the chance a draft token is kept once the one before it was, counted
+per kind of proposal), and costs ``round + token * N`` seconds (a :class:`Calibration`), a plain
+step ``plain`` seconds for one token.
 
-- :class:`Fixed`: always ``n`` (fewer where the round may draft fewer).
-- :class:`Adaptive`: a round drafting ``N`` tokens yields ``E(N) = 1 + a + ... + a^N`` tokens on
-  average, ``a`` being the chance that a draft token is kept once the one before it was, and
-  costs ``round + token * N`` seconds (a :class:`Calibration`); a plain step yields one token for
-  ``plain`` seconds. The policy takes the ``N`` that maximises ``E(N) / cost(N)``, ``0`` being a
-  plain step. ``a`` is counted per kind of proposal (:attr:`mlx_spec.drafters.Draft.label`: prompt
-  lookup's n-gram length) from every draft token tested, older ones weighing less.
-
-Sampling is keyed by text position (:mod:`mlx_spec.keys`), so no choice of ``N`` changes the text:
-a policy changes only how fast it comes. Given a :class:`Calibration`, :class:`Adaptive` is
-deterministic: the same text gives the same rounds. Without one it measures its own once, in its
-first rounds and plain steps (then keeps it, for every later generation it serves).
+Sampling is keyed by text position (:mod:`mlx_spec.keys`), so no choice of ``N`` changes the text,
+only how fast it comes. Given a :class:`Calibration`, :class:`Adaptive` is deterministic; without
+one it measures its own once, in its first rounds and plain steps, and keeps it.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -127,8 +121,7 @@ class Calibration:
     Attributes:
         plain (float): seconds of a plain step, pipelined as plain decoding runs them.
         round (float): seconds a round costs whatever it drafts (the call, the host read).
-        token (float): seconds each draft token adds (its scored position, and a draft model's
-            step).
+        token (float): seconds each draft token adds (a scored position, a draft model's step).
     """
 
     plain: float
@@ -144,36 +137,16 @@ class Calibration:
 _ROUNDS, _STEPS = 3, 8
 
 
-@dataclass
-class _Measuring:
-    """Times collected until :class:`Adaptive` fixes its calibration."""
-
-    rounds: dict[int, list[float]] = field(default_factory=dict)
-    steps: list[float] = field(default_factory=list)
-
-    def calibration(self) -> Calibration | None:
-        lengths = sorted(n for n, times in self.rounds.items() if len(times) > _ROUNDS)
-        if len(lengths) < 2 or len(self.steps) < _STEPS:
-            return None
-        # The first round at each length pays its first use (a compilation): left out.
-        short, long = (statistics.median(self.rounds[n][1:]) for n in (lengths[0], lengths[-1]))
-        token = max((long - short) / (lengths[-1] - lengths[0]), 0.0)
-        plain = statistics.median(self.steps)
-        return Calibration(plain, max(short - token * lengths[0], 0.0), token)
-
-
 class Adaptive:
     """The ``N`` that maximises tokens per second (see the module's description).
 
     Args:
         most (int): the most draft tokens a round, in ``[1, MAX_DRAFT_TOKENS]``. Default: ``8``.
-        calibration (Calibration, optional): what rounds and plain steps cost. Default: measured
-            in the first rounds and plain steps this policy serves, then kept.
+        calibration (Calibration, optional): what rounds and plain steps cost, kept as the
+            attribute ``calibration``. Default: measured in the first rounds and plain steps this
+            policy serves (``None`` until then), then kept.
         decay (float): the weight, in ``(0, 1]``, that each newer tested token leaves to the
             older ones in the acceptance estimate. Default: ``0.97`` (about the last 30).
-
-    Attributes:
-        calibration (Calibration, optional): the costs it chooses from (``None`` while measuring).
     """
 
     def __init__(
@@ -192,7 +165,9 @@ class Adaptive:
         self.decay = decay
         # [kept, tested] draft tokens per label: a prior of 2 kept in 3 tested.
         self._counts: dict[int, list[float]] = {}
-        self._measuring = _Measuring()
+        # While measuring: the seconds of rounds, by length, and of steady plain steps.
+        self._rounds: dict[int, list[float]] = {}
+        self._steps: list[float] = []
 
     def acceptance(self, label: int = 0) -> float:
         """The estimated chance that a draft token of a proposal labelled ``label`` is kept."""
@@ -213,10 +188,21 @@ class Adaptive:
 
     def _measure(self, top: int) -> int:
         """While measuring: rounds of the most and of one token in turn, then plain steps."""
-        rounds = self._measuring.rounds
-        if sum(len(times) for times in rounds.values()) < 2 * (_ROUNDS + 1):
-            return top if sum(map(len, rounds.values())) % 2 == 0 else 1
+        measured = sum(map(len, self._rounds.values()))
+        if measured < 2 * (_ROUNDS + 1):
+            return top if measured % 2 == 0 else 1
         return 0
+
+    def _calibrated(self) -> Calibration | None:
+        """The costs measured so far, once there are enough."""
+        lengths = sorted(n for n, times in self._rounds.items() if len(times) > _ROUNDS)
+        if len(lengths) < 2 or len(self._steps) < _STEPS:
+            return None
+        # The first round at each length pays its first use (a compilation): left out.
+        short, long = (statistics.median(self._rounds[n][1:]) for n in (lengths[0], lengths[-1]))
+        token = max((long - short) / (lengths[-1] - lengths[0]), 0.0)
+        fixed = max(short - token * lengths[0], 0.0)
+        return Calibration(statistics.median(self._steps), fixed, token)
 
     def observe(self, outcome: Outcome) -> None:
         if outcome.drafted:
@@ -226,9 +212,8 @@ class Adaptive:
             counts[1] = counts[1] * self.decay**tested + tested
         if self.calibration is not None or outcome.seconds is None:
             return
-        if outcome.plain:
-            if not outcome.first:
-                self._measuring.steps.append(outcome.seconds)
-        else:
-            self._measuring.rounds.setdefault(outcome.drafted, []).append(outcome.seconds)
-        self.calibration = self._measuring.calibration()
+        if not outcome.plain:
+            self._rounds.setdefault(outcome.drafted, []).append(outcome.seconds)
+        elif not outcome.first:
+            self._steps.append(outcome.seconds)
+        self.calibration = self._calibrated()
