@@ -647,7 +647,8 @@ def _first_bad_row(probs: mx.array, tokens: mx.array) -> mx.array:
     """``[1]`` uint32: one more than the first row of a drafter's ``[n, V_d]`` ``probs`` that is
     no distribution its token (``[n]``) could be drawn from, else 0; lazy, read with the round."""
     q = probs.astype(mx.float32)
-    own = mx.take_along_axis(q, mx.minimum(tokens, q.shape[-1] - 1)[:, None].astype(mx.uint32), -1)
+    index = mx.minimum(tokens.astype(mx.uint32), q.shape[-1] - 1)[:, None]
+    own = mx.take_along_axis(q, index, -1)
     drawn = mx.logical_and(own[:, 0] > 0, tokens.astype(mx.uint32) < q.shape[-1])
     total = mx.abs(mx.sum(q, axis=-1) - 1) <= MASS_TOLERANCE
     ok = mx.logical_and(mx.logical_and(drawn, total), mx.min(q, axis=-1) >= 0)
@@ -669,10 +670,11 @@ def _draft_problem(draft: object, n: int) -> str | None:
         not isinstance(probs, mx.array)
         or probs.ndim != 2
         or probs.shape[0] != tokens.size
+        or (tokens.size and probs.shape[1] == 0)
         or probs.dtype not in FLOAT_DTYPES
     ):
         what = describe(probs) if isinstance(probs, mx.array) else type(probs).__name__
-        return f"probs of {what} for {tokens.size} tokens (need [n, V_d] float)"
+        return f"probs of {what} for {tokens.size} tokens (need [n, V_d] float, V_d >= 1)"
     if isinstance(draft.label, bool) or not isinstance(draft.label, int):
         return f"a label of {type(draft.label).__name__} (need an int)"
     return None

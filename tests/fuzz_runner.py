@@ -88,7 +88,7 @@ class Case:
 def models() -> dict[str, Any]:
     """The tiny models the generation cases use, built once per process."""
     import mlx.core as mx
-    from tiny_models import cut, tiny_llama
+    from tiny_models import cut, tiny_llama, tiny_qwen2
 
     target = tiny_llama(0)
     # A draft with a larger vocabulary whose first rows are the target's: it proposes ids the
@@ -106,7 +106,9 @@ def models() -> dict[str, Any]:
         "draft": cut(target, 1),
         "unrelated": tiny_llama(7),
         "big-draft": big,
+        # Heads of 32 dimensions, which caches quantized in groups of 32 take:
         "narrow-heads": tiny_llama(1, heads=2),
+        "qwen2": tiny_qwen2(3),  # no make_cache: max_kv_size makes caches that keep 4 tokens
     }
 
 
@@ -481,6 +483,123 @@ def call_patch_mlx_lm(a: dict[str, Any]) -> dict[str, Any]:
     return {"patched": patched, "prompt_lookup": lookup}
 
 
+def _own_drafter(proposal: Any, free: bool) -> Any:
+    """A drafter of one's own whose first proposal is ``proposal`` (whatever it is) and whose
+    later ones are empty; it notes the ``n`` of each call."""
+    import mlx.core as mx
+
+    from mlx_spec.drafters import Draft, Drafter
+
+    class Own(Drafter):
+        def __init__(self) -> None:
+            self.asked: list[int] = []
+
+        def propose(self, text, n, keys):
+            self.asked.append(n)
+            return proposal if len(self.asked) == 1 else Draft(mx.array([], dtype=mx.uint32))
+
+    Own.free = free
+    return Own()
+
+
+def _seeded(seed: int, steps: Any) -> list[int]:
+    """The tokens of the generator ``steps`` (made lazily) after ``mx.random.seed(seed)``."""
+    import mlx.core as mx
+
+    mx.random.seed(seed)
+    out = steps()
+    try:
+        return [int(step[0]) for step in itertools.islice(out, TAKE)]
+    finally:
+        out.close()
+
+
+def call_own_drafter(a: dict[str, Any]) -> dict[str, Any]:
+    """A generation whose drafter proposes ``a["proposal"]`` once: built from ``tokens``,
+    ``probs`` and ``label`` when ``a["draft"]``, else the value itself. At ``temp`` 0 the
+    reference is mlx-lm's greedy decoding, above it mlx-lm's sampling under the same seed."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler as lm_sampler
+
+    from mlx_spec.drafters import Draft
+    from mlx_spec.generation import speculative_generate_step
+    from mlx_spec.sampling import make_sampler
+
+    p = a["proposal"]
+    proposal = Draft(p["tokens"], p["probs"], label=p["label"]) if a["draft"] else p
+    drafter = _own_drafter(proposal, a["free"])
+    model, prompt = models()["target"], a["prompt"]
+    tokens = _seeded(
+        a["seed"],
+        lambda: speculative_generate_step(
+            prompt,
+            model,
+            drafter=drafter,
+            num_draft_tokens=a["num_draft_tokens"],
+            max_tokens=TAKE,
+            sampler=make_sampler(temp=a["temp"]),
+        ),
+    )
+    plain = _seeded(
+        a["seed"],
+        lambda: generate_step(prompt, model, max_tokens=TAKE, sampler=lm_sampler(temp=a["temp"])),
+    )
+    return {"tokens": tokens, "plain": plain, "asked": drafter.asked}
+
+
+def call_cache_settings(a: dict[str, Any]) -> dict[str, Any]:
+    """Greedy turns on one reused cache of ``a["model"]`` (``"narrow-heads"`` or ``"qwen2"``),
+    by mlx-spec's ``stream_generate`` with a drafter (its one-layer cut, or prompt lookup) and
+    by mlx-lm's, under the same cache settings (``kv_bits``, ``quantized_kv_start``,
+    ``max_kv_size``); the tokens of each turn, mlx-lm's error, or mlx-spec's refusal."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from tiny_models import cut
+
+    from mlx_spec._mlx_lm import lm
+    from mlx_spec.generation import stream_generate
+
+    target, tokenizer = models()[a["model"]], _named("tokenizer")
+    settings = {k: a[k] for k in ("kv_bits", "quantized_kv_start") if a[k] is not None}
+    settings["kv_group_size"] = 32
+    if a["drafter"] == "lookup":
+        drafting, drafts = {"drafter": "prompt-lookup"}, [target]
+    else:
+        draft = cut(target, 1)
+        drafting, drafts = {"draft_model": draft}, [target, draft]
+
+    def turns(generate: Any, models_: list[Any]) -> list[list[int]]:
+        cache = [c for model in models_ for c in make_prompt_cache(model, a["max_kv_size"])]
+        out = []
+        for prompt in a["turns"]:
+            responses = generate(mx.array(prompt), cache)
+            out.append([r.token for r in itertools.islice(responses, a["tokens"])])
+            responses.close()
+        return out
+
+    facts = {}
+    try:
+        facts["plain"] = turns(
+            lambda prompt, cache: lm.stream_generate(
+                target, tokenizer, prompt, a["tokens"], prompt_cache=cache, **settings
+            ),
+            [target],
+        )
+    except Exception as error:  # what mlx-lm's own decoding does not handle
+        facts["plain_error"] = f"{type(error).__name__}: {error}"
+    try:
+        facts["tokens"] = turns(
+            lambda prompt, cache: stream_generate(
+                target, tokenizer, prompt, a["tokens"], prompt_cache=cache,
+                num_draft_tokens=a["num_draft_tokens"], **drafting, **settings,
+            ),
+            drafts if a["drafter"] == "draft" else [target],
+        )  # fmt: skip
+    except ValueError as error:
+        facts["refusal"] = str(error)
+    return facts
+
+
 def call_crash(a: dict[str, Any]) -> dict[str, Any]:
     """Not a public function: a segmentation fault, for the test of the worker itself."""
     import ctypes
@@ -520,6 +639,8 @@ CALLS = {
     "generate": call_generate,
     "PromptLookupDrafter": call_prompt_lookup_drafter,
     "patch_mlx_lm": call_patch_mlx_lm,
+    "own_drafter": call_own_drafter,
+    "cache_settings": call_cache_settings,
 }
 
 

@@ -41,6 +41,7 @@ from hypothesis import strategies as st
 from oracle import first_argmax, oracle_eos_hit, oracle_greedy, oracle_sampled
 
 from mlx_spec import INVALID_ROW
+from mlx_spec._checks import MASS_TOLERANCE
 from mlx_spec.draft_length import MAX_DRAFT_TOKENS
 
 TESTS = Path(__file__).parent
@@ -174,6 +175,7 @@ PARTNERS = {
 DELEGATES = {
     "stream_generate": ("stream_generate", "speculative_generate_step"),
     "generate": ("generate", "stream_generate", "speculative_generate_step"),
+    "own_drafter": ("speculative_generate_step",),
 }
 
 
@@ -207,6 +209,8 @@ def judge(case: Case, outcome: dict[str, Any], expect: str | None = None) -> Non
         pytest.fail(f"{outcome['type']}: {outcome['message']}\n{case}\n{outcome['traceback']}")
     if kind == "ValueError":
         assert expect != "right", (case, outcome["message"])
+        if case.function == "own_drafter":
+            assert proposal_problem(case) is not None, (case, outcome["message"])
         if case.function == "read" and "verification row" in outcome["message"]:
             assert_read_flag(case, outcome["message"])
         else:
@@ -921,6 +925,153 @@ def patch_cases() -> st.SearchStrategy[Case]:
     return bad_case("patch_mlx_lm", {}, {"prompt_lookup": often(st.booleans(), anything())})
 
 
+# -- a drafter of one's own, and the caches' settings -------------------------------------------
+
+
+def asked(case: Case) -> int:
+    """The ``n`` the loop asks an own drafter's first proposal for: a free drafter is asked for
+    as many as the round may take (``TAKE - 1`` of ``TAKE`` tokens), a model drafter for
+    ``num_draft_tokens`` of them; ``0``: never asked."""
+    a = case.arguments
+    return TAKE - 1 if a["free"] else min(a["num_draft_tokens"], TAKE - 1)
+
+
+def stored(values: np.ndarray, dtype: str) -> np.ndarray:
+    """``values`` as float64, rounded as an array of ``dtype`` holds them."""
+    if dtype == "bfloat16":
+        bits = np.asarray(values, np.float32).view(np.uint32)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return np.where(np.isnan(values), np.nan, rounded.astype(np.uint32).view(np.float32))
+    return np.asarray(values, dtype).astype(np.float64)
+
+
+def proposal_problem(case: Case) -> str | None:
+    """What the loop must refuse in an own drafter's proposal (``None``: nothing), from the
+    contract of :class:`mlx_spec.drafters.Draft`, worked out here from the values. Its fields are
+    checked when it comes; its rows when a round verifies them: of a free drafter's proposal,
+    a round verifies the first ``num_draft_tokens``."""
+    a, n = case.arguments, asked(case)
+    if n == 0:
+        return None
+    if not a["draft"]:
+        return "not a Draft"
+    tokens, probs, label = (a["proposal"][k] for k in ("tokens", "probs", "label"))
+    if not isinstance(tokens, Arr) or tokens.numpy or tokens.dtype not in ID_TYPES:
+        return "tokens of another type"
+    if tokens.values.ndim != 1 or tokens.values.size > n:
+        return "tokens of another shape"
+    if probs is not None:
+        if not isinstance(probs, Arr) or probs.numpy or probs.dtype not in ROW_TYPES:
+            return "probs of another type"
+        q = stored(probs.values, probs.dtype)
+        if q.ndim != 2 or q.shape[0] != tokens.values.size:
+            return "probs of another shape"
+        own = tokens.values.astype(np.int64) % 2**32  # int32 ids as the uint32 they read as
+        if own.size and q.shape[1] == 0:
+            return "probs of no token"
+        verified = min(own.size, a["num_draft_tokens"])
+        q, own = q[:verified], own[:verified]
+        with np.errstate(invalid="ignore", over="ignore"):
+            inside = own < q.shape[1]
+            mass = q[np.arange(own.size), np.minimum(own, q.shape[1] - 1)] if own.size else own
+            rows_ok = inside & (mass > 0) & (abs(q.sum(axis=1) - 1) <= MASS_TOLERANCE)
+            rows_ok &= q.min(axis=1, initial=0.0) >= 0
+        if not rows_ok.all():
+            return "a row that is no distribution of its token"
+    if isinstance(label, bool) or not isinstance(label, int):
+        return "a label that is no int"
+    return None
+
+
+def judge_own_drafter(case: Case, facts: dict[str, Any]) -> None:
+    assert proposal_problem(case) is None, (case, facts)
+    assert facts["tokens"] == facts["plain"], (case, facts)
+    assert facts["asked"][:1] == ([asked(case)] if asked(case) else []), (case, facts)
+
+
+def proposal_rows(size: int) -> st.SearchStrategy[Any]:
+    """``[size, V_d]`` rows near a drafter's distributions: one-hot or spread on its tokens, with
+    a row's mass moved, made negative, taken from its token or NaN; other shapes and types."""
+
+    @st.composite
+    def near(draw: st.DrawFn) -> Arr:
+        v = draw(st.sampled_from([0, 1, 3, VOCAB, VOCAB + 64]))
+        q = np.zeros((size, v), np.float32)
+        q[:, : min(v, 4)] = 1.0 / max(min(v, 4), 1)
+        if size and v and draw(st.booleans()):
+            i, how = draw(st.integers(0, size - 1)), draw(st.sampled_from(["mass", "neg", "nan"]))
+            q[i, 0] = {"mass": 0.8, "neg": -0.1, "nan": NAN}[how]
+        return Arr(q, draw(st.sampled_from(ROW_TYPES)), numpy=draw(st.integers(0, 9)) == 0)
+
+    shapes = st.sampled_from([(size + 1, 3), (size,), (1, size, 3)])
+    return st.one_of(st.none(), near(), shapes.flatmap(lambda s: arrays(ALL_TYPES, s)))
+
+
+@st.composite
+def own_drafter_cases(draw: st.DrawFn) -> Case:
+    n = draw(st.sampled_from([0, 1, 3, 8]))
+    free = draw(st.booleans())
+    most = TAKE - 1 if free else min(n, TAKE - 1)
+    size = draw(st.sampled_from(sorted({0, 1, most, most + 1})))
+    # Ids the target emits here at times (a draft then kept), or any ids:
+    tokens = often(arrays(ID_TYPES, (size,), ints=[0, 1, 7, 250, VOCAB - 1], numpy=False),
+                   often(ids(size, VOCAB), anything()))  # fmt: skip
+    proposal = {
+        "tokens": draw(tokens),
+        "probs": draw(often(proposal_rows(size), anything())),
+        "label": draw(often(st.integers(0, 5), anything())),
+    }
+    draft = draw(often(st.just(True), st.just(False)))
+    arguments = {
+        "prompt": PROMPT,
+        "proposal": proposal if draft else draw(anything()),
+        "draft": draft,
+        "free": free,
+        "num_draft_tokens": n,
+        "temp": draw(st.sampled_from([0.0, 0.8])),
+        "seed": draw(st.integers(0, 3)),
+    }
+    return Case("own_drafter", arguments, ("propose",))
+
+
+def judge_cache_settings(case: Case, facts: dict[str, Any]) -> None:
+    """Where mlx-lm's greedy decoding runs, the same tokens in every turn, or one of two
+    refusals made before any work: a rotating cache that keeps its whole window (``max_kv_size``
+    at most its 4 kept tokens), or one that ``kv_bits`` would quantize (mlx-lm has no quantized
+    rotating cache, and fails once it reaches ``quantized_kv_start``)."""
+    a = case.arguments
+    if "refusal" in facts:
+        message = facts["refusal"]
+        assert message.startswith(tuple(f"{p}: " for p in DELEGATES["stream_generate"])), facts
+        rotating = a["model"] == "qwen2" and a["max_kv_size"] is not None
+        assert (
+            "plain_error" in facts
+            or (rotating and a["max_kv_size"] <= 4 and names(message, "max_kv_size"))
+            or (rotating and a["kv_bits"] is not None and names(message, "kv_bits"))
+        ), (case, facts)
+    elif "plain_error" not in facts:
+        assert facts["tokens"] == facts["plain"], (case, facts)
+
+
+@st.composite
+def cache_settings_cases(draw: st.DrawFn) -> Case:
+    prompt = st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=12)
+    arguments = {
+        "model": draw(st.sampled_from(["narrow-heads", "qwen2"])),
+        "kv_bits": draw(st.sampled_from([None, 2, 3, 4, 8])),
+        "quantized_kv_start": draw(st.sampled_from([None, 0, 1, 2, 5, 9, 20])),
+        "max_kv_size": draw(st.sampled_from([None, 1, 2, 4, 5, 8, 16, 64])),
+        "drafter": draw(st.sampled_from(["draft", "lookup"])),
+        "num_draft_tokens": draw(st.integers(1, 5)),
+        "tokens": draw(st.integers(4, 14)),
+        "turns": draw(st.lists(prompt, min_size=1, max_size=2)),
+    }
+    return Case("cache_settings", arguments, ("kv_bits", "quantized_kv_start", "max_kv_size"))
+
+
+JUDGES.update(own_drafter=judge_own_drafter, cache_settings=judge_cache_settings)
+
+
 # -- the properties -----------------------------------------------------------------------------
 
 #: Each function's cases, and how many of them the quick suite draws.
@@ -939,6 +1090,8 @@ PROPERTIES: dict[str, tuple[Callable[[], st.SearchStrategy[Case]], int]] = {
     "generate": (generate_cases, 20),
     "PromptLookupDrafter": (drafter_cases, 20),
     "patch_mlx_lm": (patch_cases, 10),
+    "own_drafter": (own_drafter_cases, 40),
+    "cache_settings": (cache_settings_cases, 20),
 }
 
 
