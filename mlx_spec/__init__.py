@@ -1,9 +1,9 @@
 """mlx-spec: lossless, cheap speculative-decoding acceptance for MLX.
 
 The acceptance ops, the samplers and the draft-length policies need only MLX (and NumPy). The
-generation loop, the drafters and the mlx-lm patch (``speculative_generate_step``,
-``PromptLookupDrafter``, ``patch_mlx_lm``, ...) need mlx-lm (``pip install "mlx-spec[lm]"``) and
-are imported on first use.
+generation loop, the drafters, the mlx-lm patch and the loading of MTP heads
+(``speculative_generate_step``, ``PromptLookupDrafter``, ``patch_mlx_lm``, ``load``, ...) need
+mlx-lm (``pip install "mlx-spec[lm]"``) and are imported on first use.
 """
 
 from importlib import import_module
@@ -25,6 +25,9 @@ _NEEDS_MLX_LM = {
     "stream_generate": "generation",
     "patch_mlx_lm": "patch",
     "unpatch_mlx_lm": "patch",
+    "MTPDrafter": "mtp",
+    "convert_mtp": "mtp_convert",
+    "load": "mtp_convert",
 }
 
 __all__ = [

@@ -162,7 +162,8 @@ class Command(SphinxDirective):
         lines += [f"- ``{top.prog} {name}``: {rst(line)}" for name, line in cli.COMMANDS.items()]
         lines += ["", rst(top.epilog or "")]
         for name in cli.COMMANDS:
-            parser = importlib.import_module(f"mlx_spec.cli.{name}").setup_arg_parser()
+            module = name.replace("-", "_")  # a command's module, as the dispatcher finds it
+            parser = importlib.import_module(f"mlx_spec.cli.{module}").setup_arg_parser()
             lines += ["", f"``{parser.prog}``", "~" * 80, "", rst(parser.description or "")]
             lines += options(parser)
         return self.parse_text_to_nodes("\n".join(lines), allow_section_headings=True)

@@ -8,6 +8,8 @@
   any mlx-lm model, streamed, with the speculation's counts at the end.
 - ``mlx-spec bench [--out DIR] [--quick]`` (:mod:`.bench`): generation on the shipped pair,
   every method interleaved, as a table and ``results.json``.
+- ``mlx-spec convert-mtp HF_DIR MLX_DIR`` (:mod:`.convert_mtp`): a model's MTP head, read from its
+  original checkpoint, written into its MLX folder.
 - ``mlx-spec --version``: the versions of mlx-spec, MLX and mlx-lm.
 
 Each command module has its own parser (``setup_arg_parser``) and ``main``. Errors are one line on
@@ -30,8 +32,10 @@ COMMANDS = {
     "demo": "see speculative decoding on the shipped model pair (no download)",
     "generate": "generate with any mlx-lm model pair",
     "bench": "measure generation on the shipped pair: a table and results.json",
+    "convert-mtp": "add a model's MTP head to its MLX folder, from the original checkpoint",
 }
-"""Each command's name (its module here) and its line in ``mlx-spec --help``."""
+"""Each command's name (its module here, with ``_`` for ``-``) and its line in
+``mlx-spec --help``."""
 
 
 def version() -> str:
@@ -75,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def dispatch(args: argparse.Namespace) -> int:
-        return importlib.import_module(f"{__name__}.{args.command}").main(argv[1:])
+        module = args.command.replace("-", "_")
+        return importlib.import_module(f"{__name__}.{module}").main(argv[1:])
 
     return run(setup_arg_parser(), dispatch, argv[:1])
