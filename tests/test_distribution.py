@@ -26,10 +26,20 @@ deviations) at the same sample size:
 - ``residual_tilted`` (large vocabulary only): ``norm(max(p - q, 0) ** 1.1)``, the right support
   with weights a little off.
 
+The sample sizes come from a power calculation, which ``test_each_control_fails_with_power``
+repeats: each wrong rule's distribution of the token at a position is known in closed form
+(:func:`wrong_distribution`), so the chi-square statistic it gives at ``n`` draws is noncentral
+chi-square with noncentrality ``n * sum((p_wrong - p)**2 / p)``, and its acceptance rate is a
+binomial. The weakest control, ``slack`` at position 2 of the drafted scenario, moves the token's
+distribution by ``sum((p_wrong - p)**2 / p) = 0.0009`` (5 degrees of freedom); about 85% of the
+steps reach position 2, so 101_000 keys give it a 0.999 chance to fall below ``1e-6``, and
+:data:`KEYS` ``= 110_000`` gives every control at every position at least that power. The
+positive tests use the same keys: at that size they would see each control's error with that
+power. On the large vocabulary the weakest control, ``residual_tilted``, moves the residual by
+``0.009`` over about 640 cells at 40_000 keys: power 0.9998 (:data:`LARGE_KEYS`).
+
 The small rows were chosen so that each control moves the tested distribution far beyond the
-threshold (the smallest expected chi-square noncentrality is about 80 at 100_000 keys, at
-1_000_000 keys about 770) while about 90% of draft tokens are accepted, so that deep positions are
-reached.
+threshold while about 90% of draft tokens are accepted, so that deep positions are reached.
 """
 
 from collections.abc import Callable
@@ -43,11 +53,14 @@ from scipy import stats
 
 from mlx_spec import accept_sampled
 
-KEYS = 100_000  # the default run
-KEYS_FULL = 1_000_000  # the --full run
+# Keys for every test of the small rows, the quick ones and the --full ones alike (one run per
+# rule and scenario): the least that gives each negative control at each position a chance of at
+# least POWER to fail (the module's docstring; test_each_control_fails_with_power checks it).
+KEYS = 110_000
 PASS = 1e-4  # a correct rule passes when the p-value is above this
 FAIL = 1e-6  # a negative control must give a p-value below this
 SIGMAS = 5.0  # acceptance rates: the binomial confidence interval
+POWER = 0.999  # the chance each negative control has to fail at the sample size used
 
 Accept = Callable[[mx.array, mx.array, mx.array | None, mx.array], mx.array]
 
@@ -176,15 +189,20 @@ def make_wrong_accept(
     return accept
 
 
+# Each wrong rule's change, which both its MLX version and its closed form (for the power
+# calculation) are built from.
+WRONG: dict[str, dict] = {
+    "residual_abs": {"residual": _absolute},
+    "residual_p": {"residual": _target},
+    "residual_tilted": {"residual": _tilted},
+    "slack": {"residual": _clipped, "slack": 0.01},
+    "bonus_off_by_one": {"residual": _clipped, "bonus_shift": 1},
+}
 ACCEPTS: dict[str, Accept] = {
     "mlx_spec": lambda probs, draft, draft_probs, key: accept_sampled(
         probs, draft, draft_probs, None, key
     ),
-    "residual_abs": make_wrong_accept(_absolute),
-    "residual_p": make_wrong_accept(_target),
-    "residual_tilted": make_wrong_accept(_tilted),
-    "slack": make_wrong_accept(_clipped, slack=0.01),
-    "bonus_off_by_one": make_wrong_accept(_clipped, bonus_shift=1),
+    **{name: make_wrong_accept(**change) for name, change in WRONG.items()},
 }
 RESIDUAL_AND_ACCEPTANCE_BUGS = ("residual_abs", "residual_p", "slack")
 
@@ -261,47 +279,151 @@ def rate_sigmas(rule: str, scenario: str, n_keys: int, position: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# Default run: position 0 at 100_000 keys.
+# The power calculation: what each rule emits, in closed form.
+
+
+def _change(rule: str) -> dict:
+    return {"residual": _clipped} if rule == "mlx_spec" else WRONG[rule]
+
+
+def _residual(rule: str, p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """``[V]`` float64: the normalised row ``rule`` draws ``next`` from after a rejection."""
+    r = np.array(_change(rule)["residual"](mx.array(p), mx.array(q)), dtype=np.float64)
+    return r / r.sum() if r.sum() > 0 else p
+
+
+def step_distribution(rule: str, p: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, float]:
+    """What ``rule`` emits at a draft position it reached, whose rows are ``p`` and ``q``
+    (``[V]`` float64): ``[V]`` the token's distribution (the draft token ``d ~ q`` kept with
+    probability ``a(d) = min(1, p(d) / q(d) + slack)``, else a draw of the residual), and the
+    chance ``sum(q * a)`` that the draft token is kept."""
+    slack = _change(rule).get("slack", 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        kept = np.where(q > 0, np.minimum(1.0, p / q + slack), 0.0)
+    rate = float((q * kept).sum())
+    return q * kept + (1 - rate) * _residual(rule, p, q), rate
+
+
+def emitted_distribution(rule: str, scenario: str, position: int) -> tuple[np.ndarray, float]:
+    """``[V]`` the distribution of the token ``rule`` emits at ``position`` of ``scenario``
+    given that it got there, and the chance that it gets there."""
+    case = SCENARIOS[scenario]
+    p, q = case.probs.astype(np.float64), case.q()
+    reach = 1.0
+    for i in range(position):
+        reach *= step_distribution(rule, p[i], q[i])[1]
+    if position == N:
+        return p[N - _change(rule).get("bonus_shift", 0)], reach
+    return step_distribution(rule, p[position], q[position])[0], reach
+
+
+def fit_power(wrong: np.ndarray, p: np.ndarray, draws: float, min_expected: float = 20.0) -> float:
+    """The chance that :func:`fit_pvalue` of ``draws`` tokens drawn from ``wrong`` against ``p``
+    (``[V]`` float64) is below :data:`FAIL`: a token outside ``p``'s support fails at once;
+    otherwise the statistic over ``p``'s cells is noncentral chi-square, of noncentrality
+    ``draws * sum((w - p)**2 / p)`` over the cells (``w``: ``wrong`` within the support)."""
+    outside = wrong[p == 0].sum()
+    if outside > 1 - 1e-9:
+        return 1.0
+    within = wrong / (1 - outside)
+    own = p * draws >= min_expected
+    rest = (p > 0) & ~own
+    expected, drawn = p[own], within[own]
+    if rest.any():
+        expected, drawn = np.append(expected, p[rest].sum()), np.append(drawn, within[rest].sum())
+    df = len(expected) - 1
+    noncentrality = draws * float(((drawn - expected) ** 2 / expected).sum())
+    chi2 = stats.ncx2.sf(stats.chi2.isf(FAIL, df), df, noncentrality)
+    return float(1 - (1 - outside) ** draws * (1 - chi2))
+
+
+def rate_power(rule: str, scenario: str, position: int, keys: int) -> float:
+    """The chance that :func:`rate_sigmas` of ``rule`` at ``position`` exceeds :data:`SIGMAS`,
+    the steps that reach it taken at their expected number."""
+    case = SCENARIOS[scenario]
+    p, q = case.probs[position].astype(np.float64), case.q()[position]
+    right = np.minimum(p, q).sum()
+    n = round(keys * emitted_distribution(rule, scenario, position)[1])
+    rate = step_distribution(rule, p, q)[1]
+    return float(stats.binom.sf(n * right + SIGMAS * np.sqrt(n * right * (1 - right)), n, rate))
+
+
+def test_each_control_fails_with_power():
+    """The power calculation behind :data:`KEYS` and :data:`LARGE_KEYS` (the module's
+    docstring): every negative control, at every position its tests check, fails with a chance
+    of at least :data:`POWER`. Guarded twice: the closed form gives ``p`` for the right rule,
+    and the controls' first tokens fit their closed forms."""
+    for scenario, case in SCENARIOS.items():
+        for position in range(N + 1):
+            right, _ = emitted_distribution("mlx_spec", scenario, position)
+            np.testing.assert_allclose(right, case.probs[position], atol=1e-6)
+        for rule in RESIDUAL_AND_ACCEPTANCE_BUGS:
+            wrong, _ = emitted_distribution(rule, scenario, 0)
+            first = emitted(rule, scenario, KEYS)[:, 0]
+            assert fit_pvalue(first, wrong) > PASS, (scenario, rule)
+    powers = {}
+    for scenario, case in SCENARIOS.items():
+        checked = [(rule, i) for rule in RESIDUAL_AND_ACCEPTANCE_BUGS for i in range(N)]
+        for rule, position in [*checked, ("bonus_off_by_one", N)]:
+            wrong, reach = emitted_distribution(rule, scenario, position)
+            p = case.probs[position].astype(np.float64)
+            powers[scenario, rule, position] = fit_power(wrong, p, KEYS * reach)
+        for position in range(N):
+            powers[scenario, "slack rate", position] = rate_power("slack", scenario, position, KEYS)
+    for kind, rule in LARGE_CONTROLS:
+        probs, draft_probs, _, follows = large_case(kind)
+        p = probs.astype(np.float64)
+        if kind == "accepted":
+            wrong = p[1 - WRONG[rule].get("bonus_shift", 0)]
+        else:
+            wrong = _residual(rule, p[0], draft_probs[0].astype(np.float64))
+        powers[kind, rule] = fit_power(wrong, follows, LARGE_KEYS)
+    weak = {case: power for case, power in powers.items() if power < POWER}
+    assert not weak, weak
+
+
+# ---------------------------------------------------------------------------------------------
+# Default run: position 0.
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_first_token_follows_p0(scenario):
-    """100_000 keys: the first emitted token fits p_0 (chi-square p-value > 1e-4)."""
+    """110_000 keys: the first emitted token fits p_0 (chi-square p-value > 1e-4)."""
     assert token_pvalue("mlx_spec", scenario, KEYS, 0) > PASS
 
 
 @pytest.mark.parametrize("rule", RESIDUAL_AND_ACCEPTANCE_BUGS)
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_first_token_test_rejects_wrong_rules(scenario, rule):
-    """Negative control, 100_000 keys: a wrong rule's first token fails the fit (p < 1e-6)."""
+    """Negative control, 110_000 keys: a wrong rule's first token fails the fit (p < 1e-6)."""
     assert token_pvalue(rule, scenario, KEYS, 0) < FAIL
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_acceptance_rate_at_position_0_is_sum_min_p_q(scenario):
-    """100_000 keys: the rate at which draft token 0 is accepted is sum(min(p_0, q_0)) within 5
+    """110_000 keys: the rate at which draft token 0 is accepted is sum(min(p_0, q_0)) within 5
     binomial standard deviations."""
     assert abs(rate_sigmas("mlx_spec", scenario, KEYS, 0)) < SIGMAS
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_acceptance_rate_test_rejects_slack(scenario):
-    """Negative control, 100_000 keys: accepting when u < p / q + 0.01 lifts the rate at
+    """Negative control, 110_000 keys: accepting when u < p / q + 0.01 lifts the rate at
     position 0 more than 5 standard deviations."""
     assert rate_sigmas("slack", scenario, KEYS, 0) > SIGMAS
 
 
 # ---------------------------------------------------------------------------------------------
-# --full: the deeper positions at 1_000_000 keys.
+# --full: the deeper positions and the bonus token, from the same runs.
 
 
 @pytest.mark.statistical
 @pytest.mark.parametrize("position", range(1, N))
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_token_after_i_accepted_follows_p_i(scenario, position):
-    """1_000_000 keys: given ``position`` accepted draft tokens, the next emitted token fits
-    p_position (chi-square p-value > 1e-4; over 800_000 steps reach position 2)."""
-    assert token_pvalue("mlx_spec", scenario, KEYS_FULL, position) > PASS
+    """110_000 keys: given ``position`` accepted draft tokens, the next emitted token fits
+    p_position (chi-square p-value > 1e-4; over 90_000 steps reach position 2)."""
+    assert token_pvalue("mlx_spec", scenario, KEYS, position) > PASS
 
 
 @pytest.mark.statistical
@@ -309,49 +431,59 @@ def test_token_after_i_accepted_follows_p_i(scenario, position):
 @pytest.mark.parametrize("position", range(1, N))
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_token_after_i_accepted_test_rejects_wrong_rules(scenario, position, rule):
-    """Negative control, 1_000_000 keys: a wrong rule fails the fit at ``position`` (p < 1e-6)."""
-    assert token_pvalue(rule, scenario, KEYS_FULL, position) < FAIL
+    """Negative control, 110_000 keys: a wrong rule fails the fit at ``position`` (p < 1e-6)."""
+    assert token_pvalue(rule, scenario, KEYS, position) < FAIL
 
 
 @pytest.mark.statistical
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_bonus_token_follows_pN(scenario):
-    """1_000_000 keys: after a fully accepted draft the bonus token fits p_N (chi-square
-    p-value > 1e-4; over 700_000 steps accept the whole draft)."""
-    assert token_pvalue("mlx_spec", scenario, KEYS_FULL, N) > PASS
+    """110_000 keys: after a fully accepted draft the bonus token fits p_N (chi-square
+    p-value > 1e-4; over 80_000 steps accept the whole draft)."""
+    assert token_pvalue("mlx_spec", scenario, KEYS, N) > PASS
 
 
 @pytest.mark.statistical
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_bonus_token_test_rejects_off_by_one(scenario):
-    """Negative control, 1_000_000 keys: a bonus token drawn from p_{N-1} fails (p < 1e-6)."""
-    assert token_pvalue("bonus_off_by_one", scenario, KEYS_FULL, N) < FAIL
+    """Negative control, 110_000 keys: a bonus token drawn from p_{N-1} fails (p < 1e-6)."""
+    assert token_pvalue("bonus_off_by_one", scenario, KEYS, N) < FAIL
 
 
 @pytest.mark.statistical
 @pytest.mark.parametrize("position", range(1, N))
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_acceptance_rate_given_i_accepted_is_sum_min_p_q(scenario, position):
-    """1_000_000 keys: among steps reaching ``position``, draft token ``position`` is accepted
+    """110_000 keys: among steps reaching ``position``, draft token ``position`` is accepted
     at the rate sum(min(p, q)) within 5 binomial standard deviations."""
-    assert abs(rate_sigmas("mlx_spec", scenario, KEYS_FULL, position)) < SIGMAS
+    assert abs(rate_sigmas("mlx_spec", scenario, KEYS, position)) < SIGMAS
 
 
 @pytest.mark.statistical
 @pytest.mark.parametrize("position", range(1, N))
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_acceptance_rate_given_i_accepted_test_rejects_slack(scenario, position):
-    """Negative control, 1_000_000 keys: u < p / q + 0.01 lifts the rate at ``position`` more
+    """Negative control, 110_000 keys: u < p / q + 0.01 lifts the rate at ``position`` more
     than 5 standard deviations."""
-    assert rate_sigmas("slack", scenario, KEYS_FULL, position) > SIGMAS
+    assert rate_sigmas("slack", scenario, KEYS, position) > SIGMAS
 
 
 # ---------------------------------------------------------------------------------------------
 # --full: the draw of next on a large vocabulary of prime size (no block length divides it).
 
 LARGE_V = 4099
-LARGE_KEYS = 200_000
-CHUNK = 5_000  # keys per vmapped call, to bound memory ([CHUNK, V] float32 is 80 MB)
+# residual_tilted, the weakest control here, moves the residual by sum((r_wrong - r)**2 / r) =
+# 0.009 over the cells of tokens expected 20 times or more (about 640 at this size): noncentrality
+# 357, power 0.9998 against the 1e-6 threshold (test_each_control_fails_with_power). The others
+# put mass outside the support, or move it far more.
+LARGE_KEYS = 40_000
+CHUNK = 5_000
+LARGE_CONTROLS = [
+    ("rejected", "residual_abs"),
+    ("rejected", "residual_p"),
+    ("rejected", "residual_tilted"),
+    ("accepted", "bonus_off_by_one"),
+]  # keys per vmapped call, to bound memory ([CHUNK, V] float32 is 80 MB)
 
 
 def _softmax_with_zeros(rng: np.random.Generator, zeros: float) -> np.ndarray:
@@ -406,7 +538,7 @@ def large_outcomes(rule: str, kind: str) -> np.ndarray:
 @pytest.mark.statistical
 @pytest.mark.parametrize("kind", ["rejected", "accepted"])
 def test_next_follows_its_row_on_a_large_vocabulary(kind):
-    """200_000 keys, V = 4099: after a forced rejection ``next`` fits norm(max(p_0 - q_0, 0)),
+    """40_000 keys, V = 4099: after a forced rejection ``next`` fits norm(max(p_0 - q_0, 0)),
     after a forced acceptance it fits p_1 (chi-square p-value > 1e-4; tokens expected fewer than
     20 times share a cell)."""
     out = large_outcomes("mlx_spec", kind)
@@ -415,16 +547,8 @@ def test_next_follows_its_row_on_a_large_vocabulary(kind):
 
 
 @pytest.mark.statistical
-@pytest.mark.parametrize(
-    ("kind", "rule"),
-    [
-        ("rejected", "residual_abs"),
-        ("rejected", "residual_p"),
-        ("rejected", "residual_tilted"),
-        ("accepted", "bonus_off_by_one"),
-    ],
-)
+@pytest.mark.parametrize(("kind", "rule"), LARGE_CONTROLS)
 def test_next_on_a_large_vocabulary_test_rejects_wrong_rules(kind, rule):
-    """Negative control, 200_000 keys, V = 4099: a wrong row for ``next`` fails (p < 1e-6);
+    """Negative control, 40_000 keys, V = 4099: a wrong row for ``next`` fails (p < 1e-6);
     ``residual_tilted`` has the right support, so only the chi-square can see it."""
     assert fit_pvalue(large_outcomes(rule, kind)[:, 1], large_case(kind)[3]) < FAIL
