@@ -204,7 +204,8 @@ class MTPDrafter(Drafter):
 
         layer = depth % len(self.head.layers)
         cache = self._cache.layers[layer]
-        mask = create_attention_mask(hidden, cache)
+        # An array, not "causal": DeepSeek's attention applies the mask itself (mx.where).
+        mask = create_attention_mask(hidden, cache, return_array=True)
         with self._cache.feeding(hidden.shape[1]):
             chain, normed = self.head(hidden, embedded, depth, cache, mask)
         return _Step(chain[:, -1:], self._split.head(normed[:, -1:])[0])
