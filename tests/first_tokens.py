@@ -8,6 +8,15 @@ counts the first two tokens of speculative generation over fixed keys ``0, 1, ..
 on new caches. A correct loop passes
 :func:`chi_square_p` above :data:`THRESHOLD`; the negative controls beside each use of these
 helpers must fall below it at the same sample size.
+
+Each sample runs a whole generation, so sample sizes are chosen by a power calculation: the
+statistic of ``n`` draws from a wrong joint ``w`` is noncentral chi-square with noncentrality
+``n * sum((w - p)**2 / p)`` over the cells :func:`chi_square_p` forms at that ``n``
+(:func:`chi_square_power`). Where ``w`` is known exactly (a wrong temperature: it is plain
+sampling's joint at that temperature) the tests compute the power; where a control breaks the
+loop, its effect ``sum((w - p)**2 / p)`` was estimated from its counts over more keys, ``(X^2 -
+df) / n``, and the comment beside it gives the estimate and the power it yields. A control must
+fail with a chance of at least :data:`POWER`, and the positive tests beside it use its size.
 """
 
 from __future__ import annotations
@@ -26,6 +35,14 @@ from mlx_spec.generation import speculative_generate_step
 
 #: A correct loop gives p > THRESHOLD with the fixed keys; every negative control, p < THRESHOLD.
 THRESHOLD = 1e-3
+#: The chance each negative control has to fail at the sample size its tests use.
+POWER = 0.999
+#: The temperature of the wrong-temperature controls, which stand beside tests of samplers with
+#: filters. Their joint is plain sampling's at this temperature, so their power is exact; their
+#: effect on the 24-token llama, about 0.15, is that of the weakest loop bug the controls here
+#: inject (a residual drawn from ``p``: 0.15 to 0.2), and needs 400 to 650 samples. A temperature
+#: 10% off would need 4,000 to 6,000 a test.
+WRONG_TEMPERATURE = 1.3
 
 CacheMaker = Callable[[Any], list[Any]]
 
@@ -120,3 +137,21 @@ def chi_square_p(counts: np.ndarray, expected_probs: np.ndarray) -> float:
     return float(
         scipy_stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
     )
+
+
+def chi_square_power(expected_probs: np.ndarray, wrong_probs: np.ndarray, samples: int) -> float:
+    """The chance that :func:`chi_square_p` of ``samples`` draws from ``wrong_probs`` against
+    ``expected_probs`` (both ``[V, V]``) fails: a pair of probability 0 is drawn, or the p-value
+    falls below :data:`THRESHOLD` (the statistic over the same cells is noncentral chi-square)."""
+    p, w = expected_probs.ravel() / expected_probs.sum(), wrong_probs.ravel() / wrong_probs.sum()
+    if w[p == 0].sum() > 1 - 1e-9:
+        return 1.0
+    outside = 1 - (1 - w[p == 0].sum()) ** samples
+    big = p * samples >= 5
+    cells_p = np.append(p[big], p[~big & (p > 0)].sum())
+    cells_w = np.append(w[big], w[~big & (p > 0)].sum()) / (1 - w[p == 0].sum())
+    keep = cells_p > 0
+    df = int(keep.sum()) - 1
+    noncentrality = samples * float(((cells_w[keep] - cells_p[keep]) ** 2 / cells_p[keep]).sum())
+    critical = scipy_stats.chi2.isf(THRESHOLD, df)
+    return float(1 - (1 - outside) * scipy_stats.ncx2.cdf(critical, df, noncentrality))
