@@ -11,7 +11,15 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from first_tokens import THRESHOLD, chi_square_p, exact_joint, sampled_pairs
+from first_tokens import (
+    POWER,
+    THRESHOLD,
+    WRONG_TEMPERATURE,
+    chi_square_p,
+    chi_square_power,
+    exact_joint,
+    sampled_pairs,
+)
 from helpers import PROMPT, run
 from mlx_lm import load
 from mlx_lm.generate import generate_step
@@ -170,19 +178,40 @@ def demo():
     return model, tokenizer
 
 
-def test_lookup_greedy_equals_plain_on_the_demo_target_copying_code(demo) -> None:
-    # Input-grounded: the prompt holds code that the output repeats, so lookups keep matching.
+@pytest.fixture(scope="module")
+def copying_code(demo):
+    """A prompt of the demo target's that holds code the output repeats, and a function giving
+    plain greedy decoding's first tokens after it (computed once for the longest asked)."""
     model, tokenizer = demo
     code = "def read_file(path):\n    with open(path) as f:\n        return f.read()\n\n"
     prompt = mx.array(tokenizer.encode(code * 3 + "def read_file(path):\n"))
-    plain = [t for t, _ in generate_step(prompt, model, max_tokens=300)]
-    for n in (1, 3, 8):
-        stats = SpeculativeStats()
-        steps = speculative_generate_step(
-            prompt, model, drafter="prompt-lookup", num_draft_tokens=n, max_tokens=300, stats=stats
-        )
-        assert [t for t, _, _ in steps] == plain
-        assert stats.tokens_per_round > 1.3
+    computed: list[int] = []
+
+    def plain(tokens: int) -> list[int]:
+        if len(computed) < tokens:
+            computed[:] = [t for t, _ in generate_step(prompt, model, max_tokens=tokens)]
+        return computed[:tokens]
+
+    return prompt, plain
+
+
+@pytest.mark.parametrize(
+    ("n", "tokens"),
+    [(8, 100), *(pytest.param(n, 300, marks=pytest.mark.slow) for n in (1, 3, 8))],
+)
+def test_lookup_greedy_equals_plain_on_the_demo_target_copying_code(
+    demo, copying_code, n, tokens
+) -> None:
+    # Input-grounded: the prompt holds code that the output repeats, so lookups keep matching.
+    # The quick run checks the longest drafts over 100 tokens; --full each N over 300.
+    model, _ = demo
+    prompt, plain = copying_code
+    stats = SpeculativeStats()
+    steps = speculative_generate_step(
+        prompt, model, drafter="prompt-lookup", num_draft_tokens=n, max_tokens=tokens, stats=stats
+    )
+    assert [t for t, _, _ in steps] == plain(tokens)
+    assert stats.tokens_per_round > 1.3
 
 
 @pytest.mark.parametrize("n", [1, 3, 8])
@@ -272,6 +301,23 @@ def test_adaptive_length_stays_lossless(target, drafts, greedy_reference, drafte
 # --- lossless when sampling ----------------------------------------------------------------------
 
 SMALL_VOCAB = 24
+# Sample sizes, each the least that gives the negative control beside its tests a chance of at
+# least 0.999 to fail (first_tokens.POWER at first_tokens.THRESHOLD). The effects
+# sum((w - p)**2 / p) of the controls that break the loop were estimated from their counts over
+# M keys, (X^2 - df) / M, over the cells chi_square_p forms at the size; the size is chosen by
+# the lower end of the effect's two-standard-error interval:
+# - a single guess, coupled: the guess kept by a draw with the next position's state (M = 1000),
+#   effect 0.39 (at least 0.31) over 12 cells at 225 keys: power 0.99999 (at least 0.9998);
+# - a single guess, residual: `next` drawn from p after a rejection (M = 2000), effect 0.16 (at
+#   least 0.12) over 28 cells at 650 keys: power 0.99999 (at least 0.9991);
+# - a distribution of guesses: the same bug (M = 2000), effect 0.15 (at least 0.12) over 25
+#   cells at 725 keys: power 0.99999 (at least 0.9997);
+# - with filters: a sampler at first_tokens.WRONG_TEMPERATURE, whose power is exact
+#   (test_the_wrong_temperature_controls_have_their_power): 650 keys after `copied`, 400 after
+#   `branching`.
+SINGLE = {"coupled": 225, "residual": 650}
+DISTRIBUTION = 725
+FILTERED = {"copied": 650, "branching": 400}
 
 
 @pytest.fixture(scope="module")
@@ -325,7 +371,7 @@ def without_residual(probs, tokens, draft_probs, eos, key, **options):
 def test_lookup_single_guess_has_the_target_distribution(small, copied, acceptance) -> None:
     expected = exact_joint(small, copied, SMALL_VOCAB)
     drafter = PromptLookupDrafter(max_ngram=2)
-    counts = lookup_pairs(small, copied, drafter, 1000, acceptance=acceptance)
+    counts = lookup_pairs(small, copied, drafter, SINGLE[acceptance], acceptance=acceptance)
     assert chi_square_p(counts, expected) > THRESHOLD
 
 
@@ -333,7 +379,7 @@ def test_negative_control_single_guess_without_residual_fails(small, copied, mon
     monkeypatch.setattr(rules, "sampled_decision", without_residual)
     expected = exact_joint(small, copied, SMALL_VOCAB)
     drafter = PromptLookupDrafter(max_ngram=2)
-    counts = lookup_pairs(small, copied, drafter, 1000, acceptance="residual")
+    counts = lookup_pairs(small, copied, drafter, SINGLE["residual"], acceptance="residual")
     assert chi_square_p(counts, expected) < THRESHOLD
 
 
@@ -348,7 +394,7 @@ def test_negative_control_single_guess_kept_by_its_own_draw_fails(small, copied,
 
     monkeypatch.setattr(rules.Rule, "keys", shifted)
     expected = exact_joint(small, copied, SMALL_VOCAB)
-    counts = lookup_pairs(small, copied, PromptLookupDrafter(max_ngram=2), 1000)
+    counts = lookup_pairs(small, copied, PromptLookupDrafter(max_ngram=2), SINGLE["coupled"])
     assert chi_square_p(counts, expected) < THRESHOLD
 
 
@@ -357,7 +403,7 @@ def test_negative_control_single_guess_kept_by_its_own_draw_fails(small, copied,
 def test_lookup_distribution_has_the_target_distribution(small, branching, acceptance) -> None:
     drafter = PromptLookupDrafter(max_ngram=1, distribution=True)
     expected = exact_joint(small, branching, SMALL_VOCAB)
-    counts = lookup_pairs(small, branching, drafter, 1500, acceptance=acceptance)
+    counts = lookup_pairs(small, branching, drafter, DISTRIBUTION, acceptance=acceptance)
     assert chi_square_p(counts, expected) > THRESHOLD
 
 
@@ -366,7 +412,7 @@ def test_negative_control_distribution_without_residual_fails(small, branching, 
     monkeypatch.setattr(rules, "sampled_decision", without_residual)
     drafter = PromptLookupDrafter(max_ngram=1, distribution=True)
     expected = exact_joint(small, branching, SMALL_VOCAB)
-    counts = lookup_pairs(small, branching, drafter, 1500, acceptance="residual")
+    counts = lookup_pairs(small, branching, drafter, DISTRIBUTION, acceptance="residual")
     assert chi_square_p(counts, expected) < THRESHOLD
 
 
@@ -397,17 +443,41 @@ def test_lookup_first_two_tokens_with_filters(
     drafter = PromptLookupDrafter(max_ngram=1 if distribution else 2, distribution=distribution)
     expected = exact_joint(small, prompt, SMALL_VOCAB, temp, **filters)
     sampler = make_sampler(temp=temp, **filters)
-    counts = lookup_pairs(small, prompt, drafter, 2000, sampler, acceptance)
+    samples = FILTERED["branching" if distribution else "copied"]
+    counts = lookup_pairs(small, prompt, drafter, samples, sampler, acceptance)
     assert chi_square_p(counts, expected) > THRESHOLD
 
 
+@pytest.mark.statistical
+@pytest.mark.parametrize("distribution", [False, True])
+def test_negative_control_lookup_wrong_temperature_fails(small, copied, branching, distribution):
+    prompt = branching if distribution else copied
+    drafter = PromptLookupDrafter(max_ngram=1 if distribution else 2, distribution=distribution)
+    expected = exact_joint(small, prompt, SMALL_VOCAB)
+    samples = FILTERED["branching" if distribution else "copied"]
+    counts = lookup_pairs(small, prompt, drafter, samples, make_sampler(temp=WRONG_TEMPERATURE))
+    assert chi_square_p(counts, expected) < THRESHOLD
+
+
+@pytest.mark.parametrize("prompt", ["copied", "branching"])
+def test_the_wrong_temperature_controls_have_their_power(small, request, prompt) -> None:
+    # Sampling at WRONG_TEMPERATURE has plain sampling's joint there: the power is exact, and
+    # FILTERED the least size with it (to 50 keys), so that no test draws more than it needs.
+    text = request.getfixturevalue(prompt)
+    expected = exact_joint(small, text, SMALL_VOCAB)
+    wrong = exact_joint(small, text, SMALL_VOCAB, WRONG_TEMPERATURE)
+    assert chi_square_power(expected, wrong, FILTERED[prompt]) >= POWER
+    assert chi_square_power(expected, wrong, FILTERED[prompt] - 50) < POWER
+
+
 def test_lookup_sampled_with_the_same_key_repeats(target) -> None:
-    sampler = make_sampler(temp=1.0)
+    # 64 tokens, tens of rounds each: keys reused or drawn afresh would part them early.
+    options = dict(sampler=make_sampler(temp=1.0), max_tokens=64)
     for distribution in (False, True):
         drafter = PromptLookupDrafter(distribution=distribution)
-        a, _, _ = run(PROMPT, target, None, drafter=drafter, sampler=sampler, key=mx.random.key(3))
-        b, _, _ = run(PROMPT, target, None, drafter=drafter, sampler=sampler, key=mx.random.key(3))
-        c, _, _ = run(PROMPT, target, None, drafter=drafter, sampler=sampler, key=mx.random.key(4))
+        a, _, _ = run(PROMPT, target, None, drafter=drafter, key=mx.random.key(3), **options)
+        b, _, _ = run(PROMPT, target, None, drafter=drafter, key=mx.random.key(3), **options)
+        c, _, _ = run(PROMPT, target, None, drafter=drafter, key=mx.random.key(4), **options)
         assert a == b != c
 
 
