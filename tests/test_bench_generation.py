@@ -34,18 +34,28 @@ def script(name: str, *args: str, timeout: float = 600) -> subprocess.CompletedP
     )
 
 
-def test_generation_quick_on_the_demo_pair(tmp_path):
-    # --quick at 8 tokens a generation instead of 16: the table's checks are the same.
+@pytest.mark.parametrize(
+    "workloads",
+    [["open"], pytest.param(["input-grounded", "open"], marks=pytest.mark.slow)],
+    ids=["open", "both"],
+)
+def test_generation_quick_on_the_demo_pair(tmp_path, capsys, workloads):
+    # --quick at 8 tokens a generation instead of 16: the table's checks are the same. The quick
+    # run takes the open workload alone, whose prompts are a dozen tokens (an input-grounded one
+    # runs to 184, and its prefills take most of the time on a CPU); --full both. In-process:
+    # plain_steps below starts the one subprocess a benchmark needs.
     out = tmp_path / "rows.json"
-    proc = script("generation", "--pair", "demo", "--quick", "--tokens", "8", "--json", str(out))
-    assert proc.returncode == 0, proc.stderr
+    argv = ["--pair", "demo", "--quick", "--tokens", "8", "--workload", *workloads]
+    benchmark("generation").main([*argv, "--json", str(out)])
+    printed = capsys.readouterr().out
     results = json.loads(out.read_text())
     rows = results["rows"]
     names = ["plain", "mlx-lm N=2", "draft N=2", "draft adaptive", "lookup N=2", "lookup adaptive"]
     assert sorted({r["name"] for r in rows}) == sorted(names)
-    assert len(rows) == 2 * 2 * len(names) * 2  # workloads, temperatures, phases
+    assert sorted({r["workload"] for r in rows}) == sorted(workloads)
+    assert len(rows) == len(workloads) * 2 * len(names) * 2  # workloads, temperatures, phases
     assert all(r["generated"] == 8 for r in rows)
-    assert_generation_table(proc.stdout, rows)
+    assert_generation_table(printed, rows)
     assert results["replay"] == []
 
 
@@ -74,7 +84,10 @@ def test_generation_quick_on_the_hybrid_pair_compares_the_replay(tmp_path):
         assert r["generated"] == 2 * 16  # the one prompt twice
 
 
+@pytest.mark.slow
 def test_chunked_attention_compares_both_ways_on_the_demo_pair():
+    # A long run on a CPU (its prefills of the demo's long prompts): --full. The quick run keeps
+    # test_attention.py's checks of the chunks' attention and of the tokens they give.
     args = ("--pair", "demo", "--temps", "0", "--tokens", "8", "--repeats", "1")
     proc = script("chunked_attention", *args)
     assert proc.returncode == 0, proc.stderr
@@ -131,7 +144,10 @@ def test_forced_drafters_with_other_wrong_positions_part():
     assert first != second
 
 
+@pytest.mark.slow
 def test_proposal_cost_table():
+    # A long run on a CPU: the round it compares with follows a prefill of 1,000 tokens of the
+    # demo target. --full.
     proc = script("proposal_cost", "--contexts", "200", "3000", "--drafts", "2", "--rounds", "5")
     assert proc.returncode == 0, proc.stderr
     table = markdown_table(proc.stdout, "context")
