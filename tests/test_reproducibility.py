@@ -251,12 +251,27 @@ def generated_text(capsys, argv: list[str]) -> str:
     return capsys.readouterr().out.split("==========")[0]
 
 
-def test_the_commands_seed_reproduces_its_text_with_its_defaults(capsys) -> None:
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory) -> tuple[str, str]:
+    """Model folders of a tiny llama and its first layer, with the demo's tokenizer."""
+    from tiny_models import cut, save_model_folder, tiny_llama
+
+    root = tmp_path_factory.mktemp("tiny")
+    model = tiny_llama(0, vocab=4096)
+    for name, weights in (("target", model), ("draft", cut(model, 1))):
+        weights.args.max_position_embeddings = 4096  # mlx-lm's loader asks for it
+        save_model_folder(weights, root / name, tokenizer_from=DEMO_DIR / "target")
+    return str(root / "target"), str(root / "draft")
+
+
+def test_the_commands_seed_reproduces_its_text_with_its_defaults(capsys, tiny_folders) -> None:
     # `mlx-spec generate --temp 0.8 --seed 3`: adaptive lengths by default; again on a busy
-    # machine, and with a fixed length: the same text each time.
-    command = ["generate", "--model", str(DEMO_DIR / "target"), "--prompt", "def read_file(path):"]
+    # machine, and with a fixed length: the same text each time. The command's options are the
+    # point, not the model: a tiny llama with the demo's tokenizer.
+    target, draft = tiny_folders
+    command = ["generate", "--model", target, "--prompt", "def read_file(path):"]
     command += ["--ignore-chat-template", "-m", "64", "--temp", "0.8", "--seed", "3"]
-    argv = [*command, "--draft-model", str(DEMO_DIR / "draft")]
+    argv = [*command, "--draft-model", draft]
     first = generated_text(capsys, argv)
     with busy_cpu():
         busy = generated_text(capsys, argv)
