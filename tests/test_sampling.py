@@ -21,8 +21,8 @@ from scipy import stats
 from mlx_spec.sampling import SpecSampler, make_sampler, min_p_mask, top_k_mask, top_p_mask
 
 ALPHA = 1e-3
-CHEAP_DRAWS = 20_000
-FULL_DRAWS = 200_000
+CHEAP_DRAWS = 20_000  # test_filtered_tokens_never_emitted: every kept token appears
+POWER = 0.999  # the chance each negative control has to fail at its case's draws
 
 # A row with distinct probabilities; the cumulative masses from the top are
 # 0, .30, .50, .65, .77, .87, .94, .98, so no filter below sits on a boundary.
@@ -91,13 +91,59 @@ CASES = {
         PROBS,
     ),
 }
+# Draws per case: the least (to 1,000) at which the wrong sampler's distribution fails the fit
+# with a chance of at least POWER, for every dtype, and every token kept is expected 20 times.
+# Drawn from the right sampler, counts tested against the wrong one's probabilities q give a
+# noncentral chi-square of noncentrality draws * sum((p - q)**2 / q), or fail at once where p
+# has mass outside q's support (test_each_control_fails_with_power computes it): a temperature
+# off by 10% needs 12,100 draws on its own, 31,600 with the filters of "combination"; the
+# wrong filters, which change the support, fail within 300.
+DRAWS = {
+    "temp": 13_000,
+    "top_p": 1_000,
+    "min_p": 1_000,
+    "min_tokens_to_keep": 1_000,
+    "top_k": 1_000,
+    "top_k_ties": 1_000,
+    "combination": 32_000,
+}
+
+
+def _control_power(case: str, dtype: mx.Dtype, draws: int) -> tuple[float, float]:
+    """The chance that ``draws`` draws of case's sampler fail the fit to its wrong sampler's
+    probabilities (chi-square p-value below ALPHA), and the least count a kept token expects."""
+    args, wrong, row_probs = CASES[case]
+    row = _row(row_probs, dtype)
+    p = np.array(make_sampler(**args).probs(row), np.float64)
+    q = np.array(make_sampler(**wrong).probs(row), np.float64)
+    p, q = p / p.sum(), q / q.sum()
+    outside = p[q == 0].sum()
+    least = draws * p[p > 0].min()
+    if outside > 1 - 1e-9:
+        return 1.0, least
+    kept = q > 0
+    df = int(kept.sum()) - 1
+    noncentrality = draws * float(((p[kept] / (1 - outside) - q[kept]) ** 2 / q[kept]).sum())
+    chi2 = stats.ncx2.cdf(stats.chi2.isf(ALPHA, df), df, noncentrality)
+    return float(1 - (1 - outside) ** draws * chi2), least
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_control_fails_with_power(case):
+    for dtype in DTYPES:
+        power, least = _control_power(case, dtype, DRAWS[case])
+        assert power >= POWER and least >= 20, (dtype, power, least)
+    # And the least such, to 1,000 draws, so that no test draws more than it needs.
+    if DRAWS[case] > 1_000:
+        fewer = [_control_power(case, dtype, DRAWS[case] - 1_000) for dtype in DTYPES]
+        assert min(power for power, _ in fewer) < POWER
 
 
 def test_combination_matches_mlx_lm_sampler_cheap():
-    """20k mlx-lm draws fit our probs (p > 1e-3); temperature off by 10% does not."""
+    """32k mlx-lm draws fit our probs (p > 1e-3); temperature off by 10% does not."""
     args, wrong, row_probs = CASES["combination"]
     row = _row(row_probs)
-    counts = _counts(mlx_lm_sampling.make_sampler(**args), row, CHEAP_DRAWS, seed=11)
+    counts = _counts(mlx_lm_sampling.make_sampler(**args), row, DRAWS["combination"], seed=11)
     assert _gof_pvalue(counts, make_sampler(**args).probs(row)) > ALPHA
     assert _gof_pvalue(counts, make_sampler(**wrong).probs(row)) < ALPHA
 
@@ -106,10 +152,10 @@ def test_combination_matches_mlx_lm_sampler_cheap():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_probs_match_mlx_lm_sampler(case, dtype):
-    """200k mlx-lm draws per case fit our probs (p > 1e-3); the wrong sampler's don't."""
+    """mlx-lm's draws (DRAWS) fit our probs (p > 1e-3); the wrong sampler's don't."""
     args, wrong, row_probs = CASES[case]
     row = _row(row_probs, dtype)
-    counts = _counts(mlx_lm_sampling.make_sampler(**args), row, FULL_DRAWS, seed=5)
+    counts = _counts(mlx_lm_sampling.make_sampler(**args), row, DRAWS[case], seed=5)
     assert _gof_pvalue(counts, make_sampler(**args).probs(row)) > ALPHA
     assert _gof_pvalue(counts, make_sampler(**wrong).probs(row)) < ALPHA
 
@@ -117,10 +163,10 @@ def test_probs_match_mlx_lm_sampler(case, dtype):
 @pytest.mark.statistical
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_call_draws_from_probs(case):
-    """200k draws of our own __call__ fit our probs (p > 1e-3); the wrong sampler's don't."""
+    """Draws of our own __call__ (DRAWS) fit our probs (p > 1e-3); the wrong sampler's don't."""
     args, wrong, row_probs = CASES[case]
     row = _row(row_probs)
-    counts = _counts(make_sampler(**args), row, FULL_DRAWS, seed=6)
+    counts = _counts(make_sampler(**args), row, DRAWS[case], seed=6)
     assert _gof_pvalue(counts, make_sampler(**args).probs(row)) > ALPHA
     assert _gof_pvalue(counts, make_sampler(**wrong).probs(row)) < ALPHA
 
