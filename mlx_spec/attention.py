@@ -44,7 +44,7 @@ _local = threading.local()
 def chunks_pay(stream: StreamOrDevice = None) -> bool:
     """Whether verifications on ``stream`` run their attention in chunks: on MLX's CUDA backend
     with cuDNN attention off (``MLX_CUDA_USE_CUDNN_SDPA=0``, which MLX reads once)."""
-    return kernels.available(stream) and os.environ.get(CUDNN_ATTENTION) == "0"
+    return kernels.on_cuda(stream) and os.environ.get(CUDNN_ATTENTION) == "0"
 
 
 def attention_in_chunks(

@@ -171,7 +171,10 @@ def test_chunks_pay_on_cuda_with_cudnn_attention_off(setting, pays, monkeypatch)
         monkeypatch.delenv(attention.CUDNN_ATTENTION, raising=False)
     else:
         monkeypatch.setenv(attention.CUDNN_ATTENTION, setting)
-    monkeypatch.setattr(attention.kernels, "available", lambda stream=None: True)
+    monkeypatch.setattr(attention.kernels, "on_cuda", lambda stream=None: True)
     assert attention.chunks_pay(mx.gpu) is pays
-    monkeypatch.setattr(attention.kernels, "available", lambda stream=None: False)
+    # Turning the acceptance kernels off leaves the attention as it is.
+    with attention.kernels.disabled():
+        assert attention.chunks_pay(mx.gpu) is pays
+    monkeypatch.setattr(attention.kernels, "on_cuda", lambda stream=None: False)
     assert attention.chunks_pay(mx.cpu) is False

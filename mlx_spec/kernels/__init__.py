@@ -83,18 +83,22 @@ def no_id() -> mx.array:
 _local = threading.local()
 
 
-def available(stream: StreamOrDevice = None) -> bool:
-    """Whether the fused kernels can run on ``stream`` (MLX's CUDA backend, a GPU stream), and
-    are not turned off on this thread (:func:`disabled`)."""
-    if getattr(_local, "off", False):
-        return False
+def on_cuda(stream: StreamOrDevice = None) -> bool:
+    """Whether ``stream`` runs on MLX's CUDA backend (a GPU stream of a CUDA build)."""
     return mx.cuda.is_available() and device_type(stream) == mx.DeviceType.gpu
+
+
+def available(stream: StreamOrDevice = None) -> bool:
+    """Whether the fused kernels can run on ``stream`` (:func:`on_cuda`), and are not turned off
+    on this thread (:func:`disabled`)."""
+    return not getattr(_local, "off", False) and on_cuda(stream)
 
 
 @contextmanager
 def disabled() -> Iterator[None]:
     """Within it, on this thread, :func:`available` is false: generations made within it decide
-    with the composition of MLX ops (to compare the two, as ``benchmarks/generation.py`` does)."""
+    with the composition of MLX ops (to compare the two, as ``benchmarks/generation.py`` does).
+    Nothing else changes: a verification's attention runs as it does outside."""
     previous = getattr(_local, "off", False)
     _local.off = True
     try:
