@@ -31,9 +31,8 @@ __all__ = [
     "Round",
 ]
 
-#: The most draft tokens a round may take. A round keeps on average fewer than ``1 / (1 - a)``
-#: tokens for an acceptance rate ``a`` (20 at 95%), while each draft token costs a position of the
-#: verification and, for a draft model, a draft step.
+#: The most draft tokens a round may take: a round keeps on average fewer than ``1 / (1 - a)``
+#: tokens at an acceptance rate ``a`` (20 at 95%), and each draft token costs a scored position.
 MAX_DRAFT_TOKENS = 64
 
 
@@ -42,8 +41,7 @@ class Round:
     """What the loop knows before a round.
 
     Attributes:
-        cap (int): the most the round may draft (tokens left, the caches' limits, the
-            proposal's length), ``>= 0``.
+        cap (int): the most the round may draft (tokens left, caches, the proposal), ``>= 0``.
         label (int): the kind of proposal (:attr:`mlx_spec.drafters.Draft.label`).
         pending (int): the tokens the target still lacks, scored in the round's call too.
         replays (bool): whether a rejection restores the target's caches, whose next call then
@@ -92,9 +90,8 @@ class DraftPolicy(Protocol):
 class Fixed:
     """Always ``n`` draft tokens (as many as the round may take, when fewer).
 
-    Where the target's caches are restored after a rejection (recurrent layers that are not kept
-    per position), a round over more than ``n + 1`` waiting tokens drafts nothing: it feeds them
-    once, instead of again after each rejection.
+    Where a rejection restores the target's caches (recurrent layers not kept per position), a
+    round over more than ``n + 1`` waiting tokens drafts nothing, feeding them once.
 
     Args:
         n (int): draft tokens a round, in ``[0, MAX_DRAFT_TOKENS]``.
@@ -135,6 +132,8 @@ class Calibration:
 
 # Rounds measured at each of two lengths, and steady plain steps, before a calibration is fixed.
 _ROUNDS, _STEPS = 3, 8
+# The acceptance estimate's prior: 2 draft tokens kept of 3 tested.
+_PRIOR = (2.0, 3.0)
 
 
 class Adaptive:
@@ -163,7 +162,7 @@ class Adaptive:
         self.most = most
         self.calibration = calibration
         self.decay = decay
-        # [kept, tested] draft tokens per label: a prior of 2 kept in 3 tested.
+        # [kept, tested] draft tokens per label, from _PRIOR.
         self._counts: dict[int, list[float]] = {}
         # While measuring: the seconds of rounds, by length, and of steady plain steps.
         self._rounds: dict[int, list[float]] = {}
@@ -171,7 +170,7 @@ class Adaptive:
 
     def acceptance(self, label: int = 0) -> float:
         """The estimated chance that a draft token of a proposal labelled ``label`` is kept."""
-        kept, tested = self._counts.get(label, (2.0, 3.0))
+        kept, tested = self._counts.get(label, _PRIOR)
         return kept / tested
 
     def choose(self, round: Round) -> int:
@@ -189,9 +188,7 @@ class Adaptive:
     def _measure(self, top: int) -> int:
         """While measuring: rounds of the most and of one token in turn, then plain steps."""
         measured = sum(map(len, self._rounds.values()))
-        if measured < 2 * (_ROUNDS + 1):
-            return top if measured % 2 == 0 else 1
-        return 0
+        return (1 if measured % 2 else top) if measured < 2 * (_ROUNDS + 1) else 0
 
     def _calibrated(self) -> Calibration | None:
         """The costs measured so far, once there are enough."""
@@ -206,10 +203,16 @@ class Adaptive:
 
     def observe(self, outcome: Outcome) -> None:
         if outcome.drafted:
-            counts = self._counts.setdefault(outcome.label, [2.0, 3.0])
+            counts = self._counts.setdefault(outcome.label, list(_PRIOR))
             tested = outcome.accepted + (outcome.accepted < outcome.drafted)
             counts[0] = counts[0] * self.decay**tested + outcome.accepted
             counts[1] = counts[1] * self.decay**tested + tested
+        elif outcome.plain:
+            # A step testing nothing fades the estimates toward the prior, so that a policy that
+            # stopped drafting looks again where the prior pays (benchmarks/generation.py: one
+            # policy kept from temperature 0.8 to 0 never drafted again, on the H200).
+            for counts in self._counts.values():
+                counts[:] = [p + (c - p) * self.decay for c, p in zip(counts, _PRIOR, strict=True)]
         if self.calibration is not None or outcome.seconds is None:
             return
         if not outcome.plain:

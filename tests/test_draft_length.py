@@ -69,6 +69,26 @@ def test_adaptive_runs_plain_steps_when_drafts_are_not_kept() -> None:
     assert policy.choose(Round(8)) == 0
 
 
+def test_plain_steps_that_test_nothing_bring_drafting_back_where_the_prior_pays() -> None:
+    # A draft model's acceptance is seen in rounds alone: after a poor stretch, plain steps fade
+    # the estimate back to the prior, and the policy drafts again to look.
+    policy = Adaptive(8, FLAT)
+    kept_with(policy, 0.05)
+    steps = 0
+    while policy.choose(Round(8)) == 0:
+        policy.observe(Outcome(0, 0, plain=True, seconds=1.0))
+        steps += 1
+        assert steps < 200, policy.acceptance()
+    assert steps > 10  # not at once: the poor stretch still counts for a while
+    # Where even the prior does not pay, the fading changes nothing.
+    policy = Adaptive(8, Calibration(plain=1.0, round=6.0, token=0.5))
+    kept_with(policy, 0.05)
+    for _ in range(500):
+        policy.observe(Outcome(0, 0, plain=True, seconds=1.0))
+    assert policy.acceptance() == pytest.approx(2 / 3, abs=0.01)
+    assert policy.choose(Round(8)) == 0
+
+
 def test_adaptive_never_drafts_more_than_the_round_may() -> None:
     policy = Adaptive(8, FLAT)
     kept_with(policy, 0.99)
