@@ -1,8 +1,8 @@
 """The docs: every ```python block in README.md, docs/*.md and the demo pair's README runs, in
 order, one namespace per file; every script in examples/ runs; .ci/run runs exactly the test
 command that README.md gives; docs/api.md is what scripts/api_docs.py writes from the docstrings
-now; every relative link resolves; and no page but docs/performance.md quotes a date, a commit or
-a machine path."""
+now; every relative link resolves; and no page quotes a date, a commit or a machine path (results
+record theirs in their files under docs/results/)."""
 
 import difflib
 import functools
@@ -124,9 +124,10 @@ def test_relative_links_resolve(path):
             assert anchor in headings(linked), f"{path.name}: {target} names no heading"
 
 
-@pytest.mark.parametrize("path", [p for p in DOCS if p.name != "performance.md"], ids=page_id)
+@pytest.mark.parametrize("path", DOCS, ids=page_id)
 def test_pages_quote_no_dates_commits_or_machine_paths(path):
-    # Results, with their machine and date, live in docs/performance.md; history stays in git.
+    # Results record their commit and date in their files under docs/results/; history stays
+    # in git.
     text = path.read_text()
     assert not re.findall(r"\b20\d\d-[01]\d-[0-3]\d\b", text), "a date"
     commits = [w for w in re.findall(r"\b[0-9a-f]{7,40}\b", text) if re.search(r"[a-f]", w)]
