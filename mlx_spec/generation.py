@@ -297,8 +297,9 @@ def speculative_generate_step(
         raise ValueError(f"{op}: `stream` must be an mx.Stream or mx.Device, got {stream!r}")
     if isinstance(stream, mx.Device) and not mx.is_available(stream):
         raise ValueError(f"{op}: `stream` is {stream}, a device this MLX cannot run on")
-    check_int(op, "num_draft_tokens", num_draft_tokens, 0, MAX_DRAFT_TOKENS)
-    check_int(op, "max_tokens", max_tokens, -1)
+    # A NumPy integer is taken as the int it holds, as mlx-lm takes it.
+    num_draft_tokens = check_int(op, "num_draft_tokens", num_draft_tokens, 0, MAX_DRAFT_TOKENS)
+    max_tokens = check_int(op, "max_tokens", max_tokens, -1)
     check_callable(op, "sampler", sampler)
     processors = check_processors(op, logits_processors)
     check_int(op, "prefill_step_size", prefill_step_size, 1)

@@ -1,7 +1,9 @@
 """The worker of ``test_fuzz.py``'s interrupt test: generations that SIGINTs cut short.
 
 It runs speculative generations on tiny models, one after another, each announced with a line
-``go``; the test sends SIGINTs at random moments. Only while a generation runs does a SIGINT
+``go``; the test sends SIGINTs at random moments within the time an uninterrupted generation of
+the same setup took here (announced first, with ``ready``, so that the signals land during the
+generations on a fast machine and a slow one alike). Only while a generation runs does a SIGINT
 raise ``KeyboardInterrupt`` (the handler is armed then), wherever it lands: in the model, the
 acceptance, the caches' rewinds, the drafter. After each generation, cut short or not, the
 worker checks the guarantee: every cache holds the prompt and the tokens yielded, and the next
@@ -16,6 +18,7 @@ import itertools
 import json
 import signal
 import sys
+import time
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
@@ -45,28 +48,41 @@ def _setups():
     ]
 
 
+def generate(target, draft, make, options, cache=None):
+    """The speculative generation of a setup, on ``cache`` (fresh caches by default)."""
+    if cache is None:
+        cache = make(target) + (make(draft) if draft is not None else [])
+    drafting = {} if draft is not None else {"drafter": "prompt-lookup"}
+    return speculative_generate_step(
+        mx.array(PROMPT), target, draft, num_draft_tokens=3, max_tokens=100,
+        prompt_cache=cache, **drafting, **options,
+    )  # fmt: skip
+
+
 def main() -> None:
     global armed
     signal.signal(signal.SIGINT, _interrupt)
     setups = _setups()
     references = {}
-    for name, target, _, make, _ in setups:
+    seconds = {}
+    for name, target, draft, make, options in setups:
         steps = generate_step(mx.array(PROMPT), target, max_tokens=120, prompt_cache=make(target))
         references[name] = [t for t, _ in steps]
-    print(json.dumps({"ready": True}), flush=True)
+        for _ in range(2):  # the second is timed: the first also compiles
+            start = time.perf_counter()
+            for _ in generate(target, draft, make, options):
+                pass
+            seconds[name] = time.perf_counter() - start
+    print(json.dumps({"ready": True, "seconds": seconds}), flush=True)
     for _, (name, target, draft, make, options) in zip(
         range(int(sys.argv[1])), itertools.cycle(setups), strict=False
     ):
         cache = make(target) + (make(draft) if draft is not None else [])
-        drafting = {} if draft is not None else {"drafter": "prompt-lookup"}
         yielded, interrupted, started = [], False, False
         print(json.dumps({"go": name}), flush=True)
         armed = True
         try:
-            steps = speculative_generate_step(
-                mx.array(PROMPT), target, draft, num_draft_tokens=3, max_tokens=100,
-                prompt_cache=cache, **drafting, **options,
-            )  # fmt: skip
+            steps = generate(target, draft, make, options, cache)
             # Cut short before this, the call changed nothing: the caches still hold nothing.
             started = True
             for token, _, _ in steps:

@@ -1359,8 +1359,10 @@ INTERRUPTS = [
 
 def interrupted_generations(count: int, seed: int = 0) -> list[dict[str, Any]]:
     """Runs ``tests/interrupt_runner.py`` for ``count`` generations, sending a SIGINT at a
-    random moment of each (fixed seed: a delay drawn in ``[0, 0.6)`` seconds after it starts,
-    most generations taking longer); returns what it reported for each."""
+    random moment of each (fixed seed: a delay drawn in ``[0, 0.8 t)`` after it starts, where
+    ``t`` is the time the worker measured for an uninterrupted generation of the same setup, so
+    that the signals land during the generations however fast the machine); returns what it
+    reported for each."""
     import json
     import random
     import signal
@@ -1377,8 +1379,10 @@ def interrupted_generations(count: int, seed: int = 0) -> list[dict[str, Any]]:
     try:
         for line in proc.stdout:
             message = json.loads(line)
-            if "go" in message:
-                time.sleep(delays.uniform(0.0, 0.6))
+            if "ready" in message:
+                seconds = message["seconds"]
+            elif "go" in message:
+                time.sleep(delays.uniform(0.0, 0.8 * seconds[message["go"]]))
                 proc.send_signal(signal.SIGINT)
             elif "setup" in message:
                 reports.append(message)
