@@ -162,9 +162,10 @@ class MTPDrafter(Drafter):
     """Drafts with a model's own MTP head (see the module's description).
 
     Each round it drafts up to ``n`` tokens: the first from the head's prediction at the last
-    position the target verified, the next ones by chaining the head on its own output. The head
-    keeps a cache of its own, which holds an entry for every position the target verified; the
-    entries a draft adds are taken back after the round.
+    position the target verified, the next ones by chaining the head on its own output. Each
+    layer of the head keeps a cache of its own: the first holds an entry for every position the
+    target verified; the entries a draft adds, to any layer, are taken back after the round (so a
+    later layer holds only the round's chain).
 
     Args:
         head (MTPHead, optional): the head. Default: the target's (:func:`head_of`), given with
@@ -178,10 +179,11 @@ class MTPDrafter(Drafter):
             raise ValueError(f"MTPDrafter: `head` must be an MTPHead, got {type(head).__name__}")
         self.head = head
         self._split: _mlx_lm.Split | None = None
-        self._cache: ModelCache | None = None
+        # One per layer: draft step i feeds only layer i mod layers, so their lengths differ.
+        self._caches: list[ModelCache] = []
         self._last: _Step | None = None
         self._setup: DraftSetup | None = None
-        self._base: int | None = None
+        self._bases: list[int] | None = None
 
     def start(self, text: Text, setup: DraftSetup) -> None:
         from mlx_lm.models.cache import KVCache
@@ -193,7 +195,7 @@ class MTPDrafter(Drafter):
             )
         self._split = setup.target
         self._setup = setup
-        self._cache = ModelCache([KVCache() for _ in self.head.layers])
+        self._caches = [ModelCache([KVCache()]) for _ in self.head.layers]
         self._last = None
 
     def _embed(self, tokens: list[int]) -> mx.array:
@@ -202,11 +204,11 @@ class MTPDrafter(Drafter):
     def _run(self, hidden: mx.array, embedded: mx.array, depth: int) -> _Step:
         from mlx_lm.models.base import create_attention_mask
 
-        layer = depth % len(self.head.layers)
-        cache = self._cache.layers[layer]
+        caches = self._caches[depth % len(self._caches)]
+        cache = caches.layers[0]
         # An array, not "causal": DeepSeek's attention applies the mask itself (mx.where).
         mask = create_attention_mask(hidden, cache, return_array=True)
-        with self._cache.feeding(hidden.shape[1]):
+        with caches.feeding(hidden.shape[1]):
             chain, normed = self.head(hidden, embedded, depth, cache, mask)
         return _Step(chain[:, -1:], self._split.head(normed[:, -1:])[0])
 
@@ -219,7 +221,7 @@ class MTPDrafter(Drafter):
         self._last = self._run(hidden[None], embedded, 0)
 
     def propose(self, text: Text, n: int, keys: mx.array | None) -> Draft:
-        self._base = self._cache.length
+        self._bases = [caches.length for caches in self._caches]
         if n == 0 or self._last is None:
             return _EMPTY
         rule = self._setup.rule
@@ -232,17 +234,17 @@ class MTPDrafter(Drafter):
             if q is not None:
                 rows.append(q)
             if i + 1 < n:
-                self._cache.checkpoint()
                 step = self._run(step.chain, self._split.embed(token[None]), i + 1)
         probs = mx.concatenate(rows) if rows else None
         return Draft(mx.concatenate(tokens), probs, steps=n - 1)
 
     def update(self, text: Text, accepted: int) -> None:
-        if self._base is not None:
+        if self._bases is not None:
             # The draft's entries were the head's guesses: the verified ones come with see().
-            self._cache.rewind(self._base)
-            self._cache.forget()
-            self._base = None
+            for caches, base in zip(self._caches, self._bases, strict=True):
+                caches.rewind(base)
+                caches.forget()
+            self._bases = None
 
 
 def _deepseek_names(key: str, first: int) -> str | None:
