@@ -1,6 +1,7 @@
 """mlx-lm's OpenAI-style server (``mlx_lm.server``) with mlx-spec's speculative loop.
 
-Run: python examples/serve.py --model TARGET --draft-model DRAFT [any mlx_lm.server option]
+Run: python examples/serve.py --model TARGET (--draft-model DRAFT | --mtp) [any mlx_lm.server
+option]
 
 ``patch_mlx_lm()`` routes the server's requests with a draft model through mlx-spec's loop and
 makes the server answer every request: an error during a generation becomes an HTTP error (400
@@ -9,15 +10,20 @@ prompt cache holds exactly gets its next token. It also ends the server's genera
 ``mx.clear_streams()``: with MLX 0.32 a thread that ran a compiled function (mlx-lm's models call
 compiled activations) must, or the process may abort while the interpreter shuts down
 ("terminate called without an active exception"), with or without mlx-spec. So Ctrl-C exits
-with status 0."""
+with status 0.
+
+``--mtp``, taken off before mlx-lm's server reads the rest, is ``patch_mlx_lm(mtp=True)``: a model
+whose folder holds its MTP head (``mlx-spec convert-mtp HF_DIR MLX_DIR`` writes it) drafts with
+it, no draft model needed; the server then serves its requests one at a time instead of batched.
+"""
 
 import sys
 
 from mlx_spec import patch_mlx_lm
 
-patch_mlx_lm()
+patch_mlx_lm(mtp="--mtp" in sys.argv[1:])
 # The patch imported the server and replaced the functions it takes from mlx-lm.
 from mlx_lm import server  # noqa: E402
 
-sys.argv[0] = "mlx_lm.server"
+sys.argv = ["mlx_lm.server", *(arg for arg in sys.argv[1:] if arg != "--mtp")]
 server.main()

@@ -19,12 +19,17 @@ versions, with a fallback that stays exact and one warning naming what the fallb
 - **Chunked attention** (``mx.fast.scaled_dot_product_attention``): replaced only while a
   verification that asks for it runs, and restored after the last one. Fallback: unchunked.
 - **mlx-lm's own functions** (``stream_generate``, ``speculative_generate_step``,
-  ``make_sampler``, ``greedy_sampler``, ``maybe_quantize_kv_cache``): kept as they were at
-  import, for the patch to replace and restore, and for the benchmarks to compare with.
+  ``make_sampler``, ``greedy_sampler``, ``maybe_quantize_kv_cache``, ``load``): kept as they were
+  at import, for the patch to replace and restore, and for the benchmarks to compare with.
+- **How mlx-lm's command and server load a model** (the ``load`` that ``mlx_lm.generate.main``
+  and ``ModelProvider._load`` call by name): replaced, so that they load a model's MTP head.
+  Fallback: they load models without it, with a warning.
 - **mlx-lm's server** (``APIHandler.handle_completion``, ``ResponseGenerator.generate`` and
-  ``_run_generate``, the ``LRUPromptCache`` it makes): every request answered, a prompt its
-  prompt cache holds exactly fed its last token again, the generation thread ending with
-  ``mx.clear_streams()``. Fallback: mlx-lm's server as it is, with a warning for each.
+  ``_run_generate``, the ``LRUPromptCache`` it makes, ``ModelProvider._load`` and the
+  ``is_batchable`` it sets): every request answered, a prompt its prompt cache holds exactly fed
+  its last token again, the generation thread ending with ``mx.clear_streams()``, and the
+  requests to a model that drafts for itself served one at a time (batched generation does not
+  draft). Fallback: mlx-lm's server as it is, with a warning for each.
 
 :func:`report` runs every probe and says which hold (``python -m mlx_spec._mlx_lm``).
 """
@@ -56,6 +61,7 @@ __all__ = [
     "decoder_layer",
     "is_greedy_sampler",
     "lm",
+    "replace_load",
     "report",
     "restore",
     "rotating_held",
@@ -115,6 +121,7 @@ class _Originals:
         generation_stream (Stream): the stream mlx-lm generates on.
         wired_limit (callable): mlx-lm's context that wires the model's memory (or none).
         quantized_kv_start (int): mlx-lm's default ``quantized_kv_start``.
+        load (callable): ``mlx_lm.utils.load``.
     """
 
     stream_generate: Callable[..., Any]
@@ -126,6 +133,7 @@ class _Originals:
     generation_stream: Any
     wired_limit: Callable[..., Any]
     quantized_kv_start: int
+    load: Callable[..., Any]
 
 
 def _quantize_kv_cache(
@@ -156,6 +164,7 @@ def _originals() -> _Originals:
         or mx.new_stream(mx.default_device()),
         wired_limit=getattr(generate, "wired_limit", lambda *args, **kwargs: nullcontext()),
         quantized_kv_start=getattr(generate, "DEFAULT_QUANTIZED_KV_START", 5000),
+        load=importlib.import_module("mlx_lm.utils").load,
     )
 
 
@@ -187,6 +196,52 @@ def restore_everywhere(replacements: dict[Any, Any], names: tuple[str, ...]) -> 
                 for patched, original in replacements.items():
                     if value is patched:
                         setattr(module, name, original)
+
+
+# --- how mlx-lm's command and server load a model ----------------------------------------------
+
+#: The modules whose ``load`` :func:`replace_load` replaces: mlx-lm's own (``mlx_lm.load``), and
+#: those whose ``load`` the ``mlx_lm.generate`` command and the server call.
+_LOADERS = ("mlx_lm.utils", "mlx_lm", "mlx_lm.generate", "mlx_lm.server")
+#: Who loads through ``load`` by name: the function, as a module and a path in it.
+_LOAD_CALLERS = {
+    "the mlx_lm.generate command": ("mlx_lm.generate", "main"),
+    "the server": ("mlx_lm.server", "ModelProvider._load"),
+}
+
+
+def replace_load(load: Callable[..., Any]) -> bool:
+    """Puts ``load`` in the place of mlx-lm's ``load`` in the loaded modules of mlx-lm that hold
+    it: ``mlx_lm.load``, and the name that the ``mlx_lm.generate`` command and the server call.
+
+    Args:
+        load (callable): takes the parameters of mlx-lm's ``load``, in its order.
+
+    Returns:
+        bool: whether it was put in place: not where this mlx-lm's ``load`` takes other
+        parameters (with a warning). A caller that no longer loads through that name gets a
+        warning too: it loads models as mlx-lm does.
+    """
+    theirs = list(inspect.signature(lm.load).parameters)
+    ours = list(inspect.signature(load).parameters)
+    cost = "models are loaded without their MTP heads (load them with mlx_spec.load)"
+    if theirs != ours:
+        _part_lost("mlx_lm.utils", "load", f"it takes {theirs}", cost)
+        return False
+    replace(_LOADERS, "load", load, lm.load)
+    for what, (module_name, path) in _LOAD_CALLERS.items():
+        if module_name in sys.modules and not _loads_by_name(module_name, path):
+            _part_lost(module_name, "loading a model", f"{path} calls no load", f"{what}: {cost}")
+    return True
+
+
+def _loads_by_name(module_name: str, path: str) -> bool:
+    """Whether the function at ``path`` in the module (imported here), as mlx-lm defines it,
+    calls a global ``load``."""
+    function: Any = importlib.import_module(module_name)
+    for name in path.split("."):
+        function = _unpatched(function, name)
+    return "load" in getattr(getattr(function, "__code__", None), "co_names", ())
 
 
 # --- rotating caches -------------------------------------------------------------------------
@@ -713,8 +768,10 @@ def scoped_attention(wrap: Callable[[Callable[..., mx.array]], Callable[..., mx.
 # handler, and the client's connection is closed with no answer. Its prompt cache
 # (``LRUPromptCache``, made by name in the server's ``run``) returns, for a prompt it holds
 # exactly, the cache and no token to feed, which no loop can generate from: a cache holds no
-# logits. And its generation thread (``ResponseGenerator._run_generate``) must end with
-# ``mx.clear_streams()`` (docs/design.md, "Working around MLX 0.32").
+# logits. Its generation thread (``ResponseGenerator._run_generate``) must end with
+# ``mx.clear_streams()`` (docs/design.md, "Working around MLX 0.32"). And it batches the requests
+# to a model without a draft model (``ModelProvider._load`` sets ``is_batchable``, which
+# ``ResponseGenerator._is_batchable`` reads), through a generation that does not draft.
 
 
 class _Refused(BaseException):
@@ -914,18 +971,49 @@ def _clearing_streams(run_generate: Callable[[Any], None]) -> Callable[[Any], No
     return run_then_clear_streams
 
 
-def _server_lost(what: str, why: BaseException | str, cost: str) -> None:
-    """Warns once per ``what`` that the server patch cannot do it, and what that costs."""
+def _part_lost(module: str, what: str, why: BaseException | str, cost: str) -> None:
+    """Warns once per ``what`` that a patch of ``module`` cannot do it, and what that costs."""
     with _warn_lock:
         if what in _warned:
             return
         _warned.add(what)
     warnings.warn(
-        f"mlx-spec: this mlx-lm ({_version()}) changed what {what} in mlx_lm.server relies on "
+        f"mlx-spec: this mlx-lm ({_version()}) changed what {what} in {module} relies on "
         f"({why}); {cost}",
         RuntimeWarning,
         stacklevel=4,
     )
+
+
+def _never(model: Any) -> bool:
+    return False
+
+
+#: ``serial(model)``: whether the patched server serves ``model``'s requests one at a time (set
+#: by :func:`patch_server`).
+_serial: dict[str, Callable[[Any], bool]] = {"model": _never}
+
+
+def _one_at_a_time(load: Callable[..., None]) -> Callable[..., None]:
+    """``ModelProvider._load`` that makes a model which ``_serial`` names not batchable: its
+    requests then go one at a time through ``stream_generate``, which drafts for them."""
+
+    def load_one_at_a_time(self: Any, *args: Any, **kwargs: Any) -> None:
+        load(self, *args, **kwargs)
+        if self.model is not None and _serial["model"](self.model):
+            self.is_batchable = False
+
+    return load_one_at_a_time
+
+
+#: What :func:`patch_server` replaced: ``(owner, name) -> original``.
+_server_originals: dict[tuple[Any, str], Any] = {}
+
+
+def _unpatched(owner: Any, name: str) -> Any:
+    """``owner.name`` as mlx-lm defines it, also while :func:`patch_server` replaces it (so that a
+    probe run again tests mlx-lm's, not the replacement); ``None`` where there is none."""
+    return _server_originals.get((owner, name), getattr(owner, name, None))
 
 
 def _server_probes(server: Any) -> list[tuple[Any, str, Callable[[Any], Any]]]:
@@ -935,7 +1023,7 @@ def _server_probes(server: Any) -> list[tuple[Any, str, Callable[[Any], Any]]]:
     handler = getattr(server, "APIHandler", None)
     generator = getattr(server, "ResponseGenerator", None)
     try:
-        parameters = list(inspect.signature(handler.handle_completion).parameters)
+        parameters = list(inspect.signature(_unpatched(handler, "handle_completion")).parameters)
         generate = inspect.signature(generator.generate).parameters
         if parameters != ["self", "request", "stop_words"] or "progress_callback" not in generate:
             raise AttributeError(f"handle_completion{parameters}, generate{list(generate)}")
@@ -943,16 +1031,18 @@ def _server_probes(server: Any) -> list[tuple[Any, str, Callable[[Any], Any]]]:
             raise AttributeError("APIHandler takes no response_generator")
         found.append((handler, "handle_completion", _answering))
     except (AttributeError, TypeError, ValueError) as error:
-        _server_lost(
+        _part_lost(
+            "mlx_lm.server",
             "answering every request",
             error,
             "an error during a generation may close the connection without an answer",
         )
     try:
-        _refeeding_works(server.LRUPromptCache)
+        _refeeding_works(_unpatched(server, "LRUPromptCache"))
         found.append((server, "LRUPromptCache", _refeeding))
     except Exception as error:
-        _server_lost(
+        _part_lost(
+            "mlx_lm.server",
             "answering a prompt its prompt cache holds exactly",
             error,
             "such a request is refused (an empty prompt) instead of answered",
@@ -960,19 +1050,30 @@ def _server_probes(server: Any) -> list[tuple[Any, str, Callable[[Any], Any]]]:
     if callable(getattr(generator, "_run_generate", None)):
         found.append((generator, "_run_generate", _clearing_streams))
     else:
-        _server_lost(
+        _part_lost(
+            "mlx_lm.server",
             "ending its generation thread with mx.clear_streams()",
             "no ResponseGenerator._run_generate",
             "the server may abort at exit ('terminate called without an active exception')",
         )
+    provider = getattr(server, "ModelProvider", None)
+    try:
+        sets = _unpatched(provider, "_load").__code__.co_names
+        reads = generator._is_batchable.__code__.co_names
+        if "is_batchable" not in sets or "is_batchable" not in reads:
+            raise AttributeError("ModelProvider._load or _is_batchable has no is_batchable")
+        found.append((provider, "_load", _one_at_a_time))
+    except AttributeError as error:
+        _part_lost(
+            "mlx_lm.server",
+            "serving a model's requests one at a time",
+            error,
+            "the requests to a model with an MTP head are batched, without drafts",
+        )
     return found
 
 
-#: What :func:`patch_server` replaced: ``(owner, name) -> original``.
-_server_originals: dict[tuple[Any, str], Any] = {}
-
-
-def patch_server() -> bool:
+def patch_server(*, serial: Callable[[Any], bool] = _never) -> bool:
     """Makes ``mlx_lm.server`` (imported here) answer every request; idempotent.
 
     - ``APIHandler.handle_completion`` answers an error raised by a generation with an HTTP
@@ -981,6 +1082,13 @@ def patch_server() -> bool:
     - ``LRUPromptCache``, as the server makes it, answers a prompt it holds exactly with the
       cache less the last token and that token, so that the next token is computed again.
     - ``ResponseGenerator._run_generate`` ends the generation thread with ``mx.clear_streams()``.
+    - ``ModelProvider._load`` marks a model for which ``serial(model)`` holds not batchable, so
+      that its requests go one at a time through ``stream_generate`` (which drafts), not through
+      batched generation (which does not).
+
+    Args:
+        serial (callable): ``serial(model) -> bool``, asked of each model the server loads.
+            Default: no model.
 
     Returns:
         bool: whether mlx-lm's server could be imported (an mlx-lm without it changes nothing).
@@ -989,6 +1097,7 @@ def patch_server() -> bool:
         server = importlib.import_module("mlx_lm.server")
     except ImportError:
         return False
+    _serial["model"] = serial
     for owner, name, make in _server_probes(server):
         if (owner, name) not in _server_originals:
             original = getattr(owner, name)
@@ -1002,6 +1111,7 @@ def unpatch_server() -> None:
     for (owner, name), original in _server_originals.items():
         setattr(owner, name, original)
     _server_originals.clear()
+    _serial["model"] = _never
 
 
 # --- the report --------------------------------------------------------------------------------
@@ -1048,6 +1158,8 @@ def report() -> dict[str, bool]:
     """
     from mlx_lm.models.cache import ArraysCache
 
+    from . import mtp_convert
+
     arrays = ArraysCache(size=2)
     rotating = RotatingKVCache(max_size=4)
     server = importlib.import_module("mlx_lm.server")
@@ -1058,7 +1170,14 @@ def report() -> dict[str, bool]:
         "ArraysCache snapshots through state": snapshot(arrays)[0] == "state",
         "RotatingKVCache snapshots through state": snapshot(rotating)[0] == "state",
         "mlx-lm's functions found": lm.greedy_sampler is not None,
-        "mlx-lm's server patched whole": len(_server_probes(server)) == 3,
+        "mlx-lm's server patched whole": len(_server_probes(server)) == 4,
+        "mlx-lm's load takes mlx_spec.load's parameters": (
+            list(inspect.signature(lm.load).parameters)
+            == list(inspect.signature(mtp_convert.load).parameters)
+        ),
+        "mlx-lm's command and server load through load": all(
+            _loads_by_name(*where) for where in _LOAD_CALLERS.values()
+        ),
     }
 
 

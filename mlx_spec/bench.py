@@ -122,7 +122,8 @@ def plain(target: nn.Module) -> Method:
 
 
 def mlx_lm_stats(from_draft: Sequence[bool], n: int, max_tokens: int) -> SpeculativeStats:
-    """The counts of mlx-lm's loop, from the ``from_draft`` flag of each token it yielded.
+    """The counts of mlx-lm's loop, per draft position too, from the ``from_draft`` flag of each
+    token it yielded.
 
     Each round of ``mlx_lm.generate.speculative_generate_step`` drafts
     ``min(n, max_tokens - tokens so far)`` tokens and ends with one target token; a last round cut
@@ -134,9 +135,7 @@ def mlx_lm_stats(from_draft: Sequence[bool], n: int, max_tokens: int) -> Specula
         stop = start
         while stop < len(from_draft) and from_draft[stop]:
             stop += 1
-        stats.rounds += 1
-        stats.drafted += min(n, max_tokens - start)
-        stats.accepted += stop - start
+        stats.count(min(n, max_tokens - start), stop - start)
         start = stop + 1
     return stats
 
@@ -392,13 +391,31 @@ def _spread(line: dict[str, Any], key: str, form: str, unit: str = "") -> str:
     return f"{text} ({low:{form}}{unit}-{high:{form}}{unit})"
 
 
+KEPT_AT_SHOWN = 4
+"""The draft positions whose acceptance :func:`table` shows (``kept at 1/2/3/4``)."""
+
+
+def kept_at(line: Mapping[str, Any]) -> str:
+    """How often each of the first :data:`KEPT_AT_SHOWN` draft positions of a row of
+    :func:`measure` was kept, of the rounds that drafted there
+    (:attr:`SpeculativeStats.acceptance_at`), in percent: ``81/64/40/22%``; ``-`` when nothing
+    was drafted (or the row predates the counts per position)."""
+    counts = SpeculativeStats(
+        drafted_at=line.get("drafted_at", []), accepted_at=line.get("accepted_at", [])
+    )
+    rates = counts.acceptance_at[:KEPT_AT_SHOWN]
+    return "/".join(f"{100 * r:.0f}" for r in rates) + "%" if rates else "-"
+
+
 def table(lines: Sequence[dict[str, Any]]) -> str:
     """Lines of :func:`summarize` as a Markdown table; where they have several passes, tok/s and
-    x plain are the median over them and, in brackets, the range (min-max)."""
+    x plain are the median over them and, in brackets, the range (min-max). ``kept at 1/2/3/4``
+    is :func:`kept_at`."""
+    positions = "/".join(str(i) for i in range(1, KEPT_AT_SHOWN + 1))
     out = [
         "| workload | temp | method | tok/s | first-use time / steady | tok/round | acceptance "
-        "| replayed | x plain | x mlx-lm | x best fixed N |",
-        "|---" * 11 + "|",
+        f"| kept at {positions} | replayed | x plain | x mlx-lm | x best fixed N |",
+        "|---" * 12 + "|",
     ]
     for s in lines:
         ratios = [s[k] for k in ("x_mlx_lm", "x_best_fixed")]
@@ -408,7 +425,7 @@ def table(lines: Sequence[dict[str, Any]]) -> str:
             f"{_spread(s, 'tokens_per_second_median', '.1f')} | "
             f"{s['first_over_steady']:.2f}x | {s['tokens_per_round']:.2f} | "
             + (f"{s['acceptance_rate']:.1%}" if s["drafted"] else "-")
-            + f" | {s['replayed']} | {x_plain} | "
+            + f" | {kept_at(s)} | {s['replayed']} | {x_plain} | "
             + " | ".join("-" if x is None else f"{x:.2f}x" for x in ratios)
             + " |"
         )

@@ -10,6 +10,9 @@ Two ship:
   text's last n-gram and proposes what followed it, from an index kept up to date as the text
   grows, so a proposal costs a few dictionary lookups whatever the length of the text.
 
+A third, :class:`~mlx_spec.mtp.MTPDrafter` (a model's own multi-token prediction head), is
+defined in :mod:`mlx_spec.mtp`, which builds on this module, and exported here too.
+
 Lookup drafts are deterministic: a sampled generation keeps such a draft token ``d`` with
 probability ``p(d)``, lossless at any temperature. With ``distribution=True`` and a sampled
 generation, a lookup draft is instead drawn, as the generation's rule draws
@@ -33,12 +36,14 @@ from .rules import Rule
 
 if TYPE_CHECKING:
     from .loop import Text
+    from .mtp import MTPDrafter
 
 __all__ = [
     "MAX_NGRAM",
     "Draft",
     "DraftSetup",
     "Drafter",
+    "MTPDrafter",
     "ModelDrafter",
     "PromptLookupDrafter",
 ]
@@ -404,3 +409,12 @@ class PromptLookupDrafter(Drafter):
             width = max(q.shape[-1] for q in rows)
             probs = mx.concatenate([mx.pad(q, [(0, 0), (0, width - q.shape[-1])]) for q in rows])
         return Draft(mx.array(tokens, dtype=mx.uint32), probs, label=label)
+
+
+def __getattr__(name: str) -> Any:
+    # MTPDrafter is defined in .mtp, which imports this module: imported on first use.
+    if name == "MTPDrafter":
+        from .mtp import MTPDrafter
+
+        return MTPDrafter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -714,9 +714,8 @@ def load(
             f"{op}: `path_or_hf_repo` must be a folder or a repository name, got "
             f"{type(path_or_hf_repo).__name__}"
         )
-    import mlx_lm
-
-    model, tokenizer, config = mlx_lm.load(
+    # mlx-lm's own: patch_mlx_lm(mtp=True) puts this function in the place of mlx_lm.load.
+    model, tokenizer, config = _mlx_lm.lm.load(
         str(path_or_hf_repo),
         tokenizer_config=tokenizer_config,
         model_config=model_config,

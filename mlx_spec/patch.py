@@ -6,9 +6,15 @@
   looks it up when it gets a ``draft_model``.
 - ``stream_generate`` in ``mlx_lm.generate``, ``mlx_lm`` and ``mlx_lm.server`` by a function
   that runs mlx-spec's :func:`mlx_spec.generation.stream_generate` when there is a draft model
-  (so ``max_kv_size`` makes rotating caches there too) or, with ``prompt_lookup=True``, when
-  there is none; and mlx-lm's own otherwise. The server serves a request with a draft model
-  through it; ``generate`` and the ``mlx_lm.generate`` command go through it.
+  (so ``max_kv_size`` makes rotating caches there too) or, when there is none, with
+  ``mtp=True`` for a model with an MTP head (``drafter="mtp"``) and with ``prompt_lookup=True``
+  (``drafter="prompt-lookup"``); and mlx-lm's own otherwise. The server serves a request with
+  a draft model through it; ``generate`` and the ``mlx_lm.generate`` command go through it.
+- With ``mtp=True``, ``load`` in ``mlx_lm``, ``mlx_lm.utils``, ``mlx_lm.generate`` and
+  ``mlx_lm.server`` (through :func:`mlx_spec._mlx_lm.replace_load`) by
+  :func:`mlx_spec.mtp_convert.load`: mlx-lm's ``load``, the ``mlx_lm.generate`` command and the
+  server then attach a model's MTP head where its folder has one (``mtp.safetensors``, written
+  by ``mlx-spec convert-mtp``).
 - ``generate`` in ``mlx_lm.generate`` and ``mlx_lm`` (the command calls it) by mlx-lm's own,
   which with ``verbose=True`` and speculation also prints the rounds, the draft tokens drafted
   and accepted, and the tokens per round.
@@ -22,7 +28,9 @@
   above :data:`~mlx_spec.draft_length.MAX_DRAFT_TOKENS`, else 500, with ``{"error": message}``;
   in a stream whose 200 status was sent, an error event and ``data: [DONE]``); a prompt that the
   prompt cache holds exactly is answered, its last token fed again; the generation thread ends
-  with ``mx.clear_streams()``.
+  with ``mx.clear_streams()``; with ``mtp=True``, the requests to a model with an MTP head and no
+  draft model are served one at a time through ``stream_generate``, which drafts with the head,
+  instead of batched.
 
 :func:`unpatch_mlx_lm` undoes it.
 """
@@ -38,8 +46,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse
 
-from . import _mlx_lm, generation
+from . import _mlx_lm, generation, mtp_convert
 from ._mlx_lm import lm
+from .mtp import head_of
 from .sampling import make_sampler
 
 __all__ = ["patch_mlx_lm", "unpatch_mlx_lm"]
@@ -56,8 +65,9 @@ _SAMPLER_MODULES = ("mlx_lm.sample_utils", "mlx_lm.generate", "mlx_lm.server")
 _STREAM_MODULES = ("mlx_lm.generate", "mlx_lm", "mlx_lm.server")
 _GENERATE_MODULES = ("mlx_lm.generate", "mlx_lm")
 
-# Whether the patched stream_generate drafts by prompt lookup when it has no draft model.
-_options = {"prompt_lookup": False}
+# How the patched stream_generate drafts when it has no draft model: with the model's MTP head,
+# by prompt lookup, or not at all (see _default_drafter).
+_options = {"prompt_lookup": False, "mtp": False}
 
 
 @dataclass(frozen=True)
@@ -105,12 +115,28 @@ def _make_mlx_lm_sampler(*args: Any, **kwargs: Any) -> Sampler:
     return _MlxLmSampler(sample, distribution)
 
 
+def _default_drafter(model: Any) -> str | None:
+    """The drafter of a generation of ``model`` given neither a draft model nor a drafter, while
+    patched: the model's MTP head with ``mtp=True`` where it has one, else prompt lookup with
+    ``prompt_lookup=True``, else none (mlx-lm's own generation)."""
+    if _options["mtp"] and head_of(model) is not None:
+        return "mtp"
+    return "prompt-lookup" if _options["prompt_lookup"] else None
+
+
+def _serial(model: Any) -> bool:
+    """Whether the patched server serves ``model``'s requests one at a time, each through
+    :func:`_stream_generate`: where that drafts for it with no draft model (its MTP head)."""
+    return _default_drafter(model) == "mtp"
+
+
 def _stream_generate(*args: Any, **kwargs: Any) -> Generator[GenerationResponse, None, None]:
     """mlx-lm's ``stream_generate`` while patched (see the module's description)."""
     arguments = _LM_STREAM_SIGNATURE.bind(*args, **kwargs).arguments
     if arguments.get("draft_model") is None:
-        if _options["prompt_lookup"]:
-            kwargs.setdefault("drafter", "prompt-lookup")
+        default = _default_drafter(arguments["model"])
+        if default is not None:
+            kwargs.setdefault("drafter", default)
         if kwargs.get("drafter") is None:
             kwargs.pop("drafter", None)
             return lm.stream_generate(*args, **kwargs)
@@ -139,7 +165,7 @@ def _generate(*args: Any, **kwargs: Any) -> Any:
     bound.apply_defaults()
     options = bound.arguments.get("kwargs", {})
     speculates = options.get("draft_model") is not None or (
-        options.get("drafter", "prompt-lookup" if _options["prompt_lookup"] else None) is not None
+        options.get("drafter", _default_drafter(bound.arguments["model"])) is not None
     )  # as _stream_generate decides
     if bound.arguments["verbose"] is not True or not speculates:
         return _lm_generate(*args, **kwargs)
@@ -149,23 +175,36 @@ def _generate(*args: Any, **kwargs: Any) -> Any:
     return text
 
 
-def patch_mlx_lm(*, prompt_lookup: bool = False) -> None:
-    """Routes mlx-lm's speculative decoding through mlx-spec; idempotent.
+def patch_mlx_lm(*, prompt_lookup: bool = False, mtp: bool = False) -> None:
+    """Routes mlx-lm's speculative decoding through mlx-spec; idempotent (a later call sets the
+    options anew).
 
     Args:
         prompt_lookup (bool): also make mlx-lm's single-sequence generation without a draft
             model (``stream_generate``, ``generate``, the ``mlx_lm.generate`` command) speculate
             by prompt lookup, with ``num_draft_tokens`` drafts a round. The server's batched
             generation is not changed. Default: ``False``.
+        mtp (bool): also make mlx-lm's ``load``, the ``mlx_lm.generate`` command and the server
+            load a model's MTP head where its folder has one (:func:`mlx_spec.mtp_convert.load`),
+            and make mlx-lm's generation without a draft model (``stream_generate``,
+            ``generate``, the command, and the server, which then serves such a model's requests
+            one at a time) draft with the head of a model that has one, with
+            ``num_draft_tokens`` drafts a round. With ``prompt_lookup`` too, a model without a
+            head drafts by prompt lookup. Default: ``False``.
 
     Raises:
-        ValueError: ``prompt_lookup`` is not a bool.
+        ValueError: ``prompt_lookup`` or ``mtp`` is not a bool.
     """
-    if not isinstance(prompt_lookup, bool):
-        raise ValueError(f"patch_mlx_lm: `prompt_lookup` must be a bool, got {prompt_lookup!r}")
-    _options["prompt_lookup"] = prompt_lookup
+    for name, value in (("prompt_lookup", prompt_lookup), ("mtp", mtp)):
+        if not isinstance(value, bool):
+            raise ValueError(f"patch_mlx_lm: `{name}` must be a bool, got {value!r}")
+    _options.update(prompt_lookup=prompt_lookup, mtp=mtp)
     # Imported first, so that the server's own names are replaced below.
-    _mlx_lm.patch_server()
+    _mlx_lm.patch_server(serial=_serial)
+    if mtp:
+        _mlx_lm.replace_load(mtp_convert.load)
+    else:
+        _mlx_lm.restore_everywhere({mtp_convert.load: lm.load}, ("load",))
     _mlx_lm.replace(
         ("mlx_lm.generate",),
         "speculative_generate_step",
@@ -180,7 +219,7 @@ def patch_mlx_lm(*, prompt_lookup: bool = False) -> None:
 def unpatch_mlx_lm() -> None:
     """Restores what :func:`patch_mlx_lm` replaced, also in mlx-lm modules imported meanwhile
     (which took the patched functions); idempotent."""
-    _options["prompt_lookup"] = False
+    _options.update(prompt_lookup=False, mtp=False)
     _mlx_lm.unpatch_server()
     _mlx_lm.restore_everywhere(
         {
@@ -188,6 +227,7 @@ def unpatch_mlx_lm() -> None:
             _stream_generate: lm.stream_generate,
             _generate: _lm_generate,
             generation.speculative_generate_step: lm.speculative_generate_step,
+            mtp_convert.load: lm.load,
         },
-        ("make_sampler", "stream_generate", "generate", "speculative_generate_step"),
+        ("make_sampler", "stream_generate", "generate", "speculative_generate_step", "load"),
     )

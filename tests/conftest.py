@@ -1,5 +1,6 @@
 """Shared test configuration: deterministic hypothesis, the ``--full`` switch for heavy runs, full
-float32 matrix products on CUDA, and the tiny llama models the generation tests share."""
+float32 matrix products on CUDA, the tiny llama models the generation tests share, and a tiny
+model's folders with and without an MTP head."""
 
 import os
 
@@ -66,3 +67,23 @@ def greedy_reference(target) -> list[int]:
     from mlx_lm.generate import generate_step
 
     return [t for t, _ in generate_step(mx.array(PROMPT), target, max_tokens=300)]
+
+
+@pytest.fixture(scope="module")
+def mtp_folders(tmp_path_factory):
+    """Two mlx-lm folders of a tiny qwen3_5 (:func:`tiny_models.tiny_mtp_pair`) with the demo
+    target's tokenizer: one with the model's MTP head (``mtp.safetensors``, which agrees with the
+    model on about half the draft tokens), one without it."""
+    from pathlib import Path
+
+    from tiny_models import save_model_folder, tiny_mtp_pair
+
+    from mlx_spec.mtp_convert import save_head
+
+    tokenizer = Path(__file__).resolve().parents[1] / "mlx_spec" / "demo" / "target"
+    root = tmp_path_factory.mktemp("mtp")
+    model, head = tiny_mtp_pair("qwen3_5")
+    for name in ("head", "bare"):
+        save_model_folder(model, root / name, tokenizer_from=tokenizer)
+    save_head(head, root / "head")
+    return root / "head", root / "bare"

@@ -70,6 +70,20 @@ def assert_ratio(printed: str, a: float, b: float) -> None:
     assert abs(float(printed.rstrip("x")) - a / b) <= slack, (printed, a, b)
 
 
+def assert_kept_at(line: dict[str, str], row: dict) -> None:
+    """A table line's ``kept at 1/2/3/4`` is, in whole percent, how often the row's first draft
+    positions were kept of the rounds that drafted there, whose counts add up to the row's."""
+    assert sum(row["drafted_at"]) == row["drafted"] and sum(row["accepted_at"]) == row["accepted"]
+    cell = line["kept at 1/2/3/4"]
+    if not row["drafted"]:
+        assert cell == "-"
+        return
+    shown = [int(v) for v in cell.removesuffix("%").split("/")]
+    assert len(shown) == min(4, len(row["drafted_at"])), cell
+    for percent, kept, drafted in zip(shown, row["accepted_at"], row["drafted_at"], strict=False):
+        assert abs(percent - 100 * kept / drafted) <= 0.5 + 1e-9, (cell, row)
+
+
 def assert_generation_table(text: str, rows: list[dict]) -> list[dict[str, str]]:
     """The table that ``mlx_spec.bench.table`` printed in ``text`` has a line per workload,
     temperature and method of ``rows`` (the raw rows of ``mlx_spec.bench.measure``), their
@@ -83,6 +97,7 @@ def assert_generation_table(text: str, rows: list[dict]) -> list[dict[str, str]]
         assert float(line["temp"]) == row["temp"]
         assert line["tok/round"] == f"{row['generated'] / row['rounds']:.2f}"
         assert int(line["replayed"]) == row["replayed"]
+        assert_kept_at(line, row)
     for line in table:
         group = {
             m["method"]: float(m["tok/s"])
@@ -152,6 +167,7 @@ def assert_spread_table(text: str, rows: list[dict]) -> list[dict[str, str]]:
         assert float(line["temp"]) == row["temp"]
         assert line["tok/round"] == f"{row['generated'] / row['rounds']:.2f}"
         assert int(line["replayed"]) == row["replayed"]
+        assert_kept_at(line, row)
         passes = row["tokens_per_second_by_repeat"]
         assert len(passes) == row["repeats"] > 1
         assert min(passes) * (1 - 1e-9) <= row["tokens_per_second"] <= max(passes) * (1 + 1e-9)

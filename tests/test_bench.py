@@ -19,7 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from helpers import bench_rows
+from helpers import bench_rows, markdown_table
 from mlx_lm.models import llama
 
 import mlx_spec
@@ -130,6 +130,30 @@ def test_measure_sums_counts_per_draft_position():
 
     rows = bench.measure([bench.Method("m", generate)], {"w": [mx.array([1])] * 3}, [0.0], 1)
     assert rows[0]["drafted_at"] == [3, 2, 1]
+
+
+def test_mlx_lm_stats_counts_each_draft_position():
+    # Rounds of N = 3 in mlx-lm's loop: 2 drafts kept, none, all 3, then the last token of 9,
+    # a draft, alone in a round that could draft only 1.
+    flags = [True, True, False, False, True, True, True, False, True]
+    stats = bench.mlx_lm_stats(flags, 3, 9)
+    assert (stats.rounds, stats.drafted, stats.accepted, stats.generated) == (4, 10, 6, 9)
+    assert (stats.drafted_at, stats.accepted_at) == ([4, 3, 3], [3, 2, 1])
+
+
+def test_the_table_shows_how_often_each_draft_position_was_kept():
+    rows = bench_rows({"plain": [10.0], "lookup N=2": [12.0], "draft adaptive": [13.0]})
+    # Kept at positions 1 and 2: 8 of 10, 5 of 10; adaptive: 17/20, 12/16, 3/10, 1/4, 0/2.
+    counts = {
+        "lookup N=2": ([10, 10], [8, 5]),
+        "draft adaptive": ([20, 16, 10, 4, 2], [17, 12, 3, 1, 0]),
+    }
+    for row in rows:
+        row["drafted_at"], row["accepted_at"] = counts.get(row["name"], ([], []))
+    table = markdown_table(bench.table(bench.summarize(rows)), "workload")
+    kept = {line["method"]: line["kept at 1/2/3/4"] for line in table}
+    # The first four positions only: the fifth would widen every line.
+    assert kept == {"plain": "-", "lookup N=2": "80/50%", "draft adaptive": "85/75/30/25%"}
 
 
 def table_of(speeds: dict[str, list[float]], **fields) -> tuple[list[dict], str]:

@@ -155,7 +155,7 @@ def test_help_lists_the_subcommands():
             "generate",
             [
                 *("--model", "--draft-model", "--prompt", "--temp", "--top-p", "--top-k"),
-                *("--min-p", "--num-draft-tokens", "--max-tokens", "--seed"),
+                *("--min-p", "--num-draft-tokens", "--max-tokens", "--seed", "--mtp"),
                 "--ignore-chat-template",
             ],
         ),
@@ -259,6 +259,45 @@ def test_generate_streams_text_and_consistent_counts():
     # printed 18.8, which an absolute tolerance of 0.05 missed by float rounding).
     assert f"{rate}%" == f"{int(accepted) / int(drafted):.1%}"
     assert per_round == f"{tokens / int(rounds):.2f}"
+
+
+def test_kept_at_gives_each_draft_positions_share_of_kept_tokens():
+    from mlx_spec.cli.generate import kept_at
+    from mlx_spec.generation import SpeculativeStats
+
+    stats = SpeculativeStats(drafted_at=[10, 8, 5], accepted_at=[8, 4, 1])
+    assert kept_at(stats) == "Kept at draft position 1, 2, 3: 80%, 50%, 20%"
+    # Past 8 positions the line says how many more there are, to stay short.
+    stats = SpeculativeStats(drafted_at=[4] * 10, accepted_at=[4, 3, 3, 2, 2, 2, 1, 1, 1, 0])
+    assert kept_at(stats) == (
+        "Kept at draft position 1, 2, 3, 4, 5, 6, 7, 8: "
+        "100%, 75%, 75%, 50%, 50%, 50%, 25%, 25% (and 2 later positions)"
+    )
+
+
+def test_generate_prints_how_often_each_draft_position_was_kept(monkeypatch):
+    # The line after the counts, checked against the counts of the generation's own stats.
+    from mlx_spec import generation
+
+    made = []
+
+    class Recorded(generation.SpeculativeStats):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(generation, "SpeculativeStats", Recorded)
+    proc = generate("--temp", "0", "-n", "3", "--max-tokens", "24", "--fixed")
+    assert proc.returncode == 0, proc.stderr
+    stats = made[0]  # the command's own; the responses carry snapshots of it
+    found = SPECULATION.search(proc.stdout)
+    assert int(found["drafted"]) == stats.drafted == sum(stats.drafted_at) > 0
+    assert int(found["accepted"]) == stats.accepted == sum(stats.accepted_at)
+    kept = re.search(r"^Kept at draft position 1, 2, 3: (\d+)%, (\d+)%, (\d+)%$", proc.stdout, re.M)
+    assert kept, proc.stdout
+    assert [int(v) for v in kept.groups()] == [
+        round(100 * a / d) for a, d in zip(stats.accepted_at, stats.drafted_at, strict=True)
+    ]
 
 
 def test_generate_with_a_seed_is_reproducible():
@@ -371,7 +410,7 @@ def test_a_generation_that_drafted_nothing_says_so(drafts):
         "generate", "--model", TARGET, *drafts, "--prompt", "def f(x):", "--max-tokens", "1"
     )
     assert proc.returncode == 0, proc.stderr
-    assert "acceptance rate" not in proc.stdout
+    assert "acceptance rate" not in proc.stdout and "Kept at" not in proc.stdout
     found = NOTHING_DRAFTED.search(proc.stdout)
     assert found and (found["rounds"], found["per_round"]) == ("1", "1.00"), proc.stdout
 

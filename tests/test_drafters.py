@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -696,3 +698,19 @@ def test_text_views_agree() -> None:
     assert text.tokens(2).tolist() == [6, 7, 8] and text.tokens(0, 2).tolist() == [4, 5]
     assert text.array().tolist() == [4, 5, 6, 7, 8]
     assert drafters.__all__
+
+
+def test_mtp_drafter_is_public_in_drafters_without_an_import_cycle() -> None:
+    from mlx_spec import mtp
+
+    assert "MTPDrafter" in drafters.__all__
+    assert drafters.MTPDrafter is mtp.MTPDrafter is mlx_spec.MTPDrafter
+    with pytest.raises(AttributeError, match="has no attribute 'NoDrafter'"):
+        drafters.NoDrafter  # noqa: B018
+    # The first import of a fresh interpreter: mtp imports drafters, so drafters names it only on
+    # first use (a star import asks for each name of __all__).
+    run = subprocess.run(
+        [sys.executable, "-c", "from mlx_spec.drafters import *; print(MTPDrafter.__module__)"],
+        capture_output=True, text=True, timeout=120, cwd=Path(mlx_spec.__file__).parents[1],
+    )  # fmt: skip
+    assert run.returncode == 0 and run.stdout == "mlx_spec.mtp\n", run.stderr

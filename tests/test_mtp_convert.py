@@ -119,10 +119,14 @@ def loaded_head(folder: Path) -> MTPHead:
 
 
 def cli_main(*args: str) -> tuple[int, str, str]:
-    """``mlx-spec *args`` in this process: the exit status, stdout and stderr."""
+    """``mlx-spec *args`` in this process: the exit status (a usage error's too, which exits),
+    stdout and stderr."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        status = cli.main(list(args))
+        try:
+            status = cli.main(list(args))
+        except SystemExit as exit:
+            status = exit.code
     return status, out.getvalue(), err.getvalue()
 
 
@@ -502,10 +506,75 @@ def test_the_guides_commands_run_on_tiny_folders(folders, tmp_path, monkeypatch)
     status, _, err = cli_main(*shlex.split(commands[0])[1:])
     assert status == 0, err
     assert head_of(load(names[1])[0]) is not None
-    from mlx_spec.cli import generate
-
-    if "--mtp" not in generate.setup_arg_parser().format_help():
-        pytest.xfail("mlx-spec generate has no --mtp yet")
     status, out, err = cli_main(*shlex.split(commands[1])[1:], "--max-tokens", "16")
     assert status == 0, err
-    assert "Speculation:" in out
+    assert "Speculation: MTP head" in out
+
+
+def mtp_generate(folder: Path, *extra: str) -> tuple[int, str, str]:
+    """``mlx-spec generate --model folder --mtp`` of a code prompt, greedy, 40 tokens."""
+    return cli_main(
+        "generate", "--model", str(folder), "--mtp", "--prompt", "def read(path):\n",
+        "--ignore-chat-template", "--temp", "0", "--max-tokens", "40", *extra,
+    )  # fmt: skip
+
+
+def test_generate_with_mtp_prints_plain_decodings_text_and_how_often_each_position_was_kept(
+    folders,
+):
+    import mlx_lm
+
+    built = folders("qwen3_5")
+    status, out, err = mtp_generate(built.quantized, "-n", "3", "--fixed")
+    assert status == 0, err
+    model, tokenizer = silently(mlx_lm.load, str(built.quantized))
+    plain = mlx_lm.generate(model, tokenizer, "def read(path):\n", max_tokens=40)
+    assert out.split("\n==========\n")[0] == plain
+    found = re.search(r"Speculation: MTP head, N fixed 3, (\d+) rounds, (\d+) drafted", out)
+    rounds, drafted = map(int, found.groups())
+    assert 0 < drafted <= 3 * rounds
+    kept = re.search(r"^Kept at draft position 1, 2, 3: (\d+)%, (\d+)%, (\d+)%$", out, re.M)
+    assert kept, out
+
+
+def test_generate_mtp_of_a_model_without_a_head_is_one_line_saying_how_to_add_one(
+    folders, tmp_path
+):
+    built = folders("qwen3_next")
+    shutil.copytree(built.quantized, tmp_path / "bare")
+    (tmp_path / "bare" / FILE).unlink()
+    status, out, err = mtp_generate(tmp_path / "bare")
+    assert (status, out, err.count("\n")) == (2, "", 1), err
+    assert "has no MTP head" in err and "mlx-spec convert-mtp HF_DIR MLX_DIR" in err
+    # A model of a family that ships no head: the same line says so.
+    status, out, err = mtp_generate(TOKENIZER)
+    assert (status, out, err.count("\n")) == (2, "", 1), err
+    assert "llama models ship none" in err and "mlx-spec convert-mtp HF_DIR MLX_DIR" in err
+
+
+def test_generate_mtp_says_why_a_file_of_another_tool_was_left_aside(folders, tmp_path):
+    built = folders("qwen3_5")
+    shutil.copytree(built.mlx, tmp_path / "other")
+    mx.save_safetensors(str(tmp_path / "other" / FILE), {"mtp.fc.weight": mx.zeros((64, 128))})
+    status, out, err = mtp_generate(tmp_path / "other")
+    assert (status, out, err.count("\n")) == (2, "", 1), err
+    assert "not written by mlx-spec" in err and "has no MTP head" in err
+
+
+@pytest.mark.parametrize("other", [["--prompt-lookup"], ["--draft-model", str(TOKENIZER)]])
+def test_generate_mtp_with_another_drafter_is_refused_in_one_line(other):
+    status, out, err = mtp_generate(TOKENIZER, *other)
+    assert (status, out, err.count("\n")) == (2, "", 1), err
+    assert "not allowed with argument --mtp" in err
+
+
+def test_generate_mtp_is_refused_on_several_ranks():
+    import argparse
+
+    from mlx_spec.cli import generate
+    from mlx_spec.cli._common import CliError
+
+    generate._check_mtp(argparse.Namespace(mtp=True), 1)
+    generate._check_mtp(argparse.Namespace(mtp=False), 2)
+    with pytest.raises(CliError, match="--mtp runs in one process, not split over 2 ranks"):
+        generate._check_mtp(argparse.Namespace(mtp=True), 2)

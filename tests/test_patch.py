@@ -1,10 +1,14 @@
 """mlx-lm's entry points through mlx-spec: ``stream_generate``, ``generate`` and ``patch_mlx_lm``
-(mlx-lm's own functions, command and samplers)."""
+(mlx-lm's own functions, command and samplers; with ``mtp=True``, its loading and its server's
+batching too)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import re
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -14,13 +18,15 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_spec.generation as spec_generation
-from mlx_spec import loop
+from mlx_spec import _mlx_lm, loop, mtp_convert
+from mlx_spec._mlx_lm import lm
 from mlx_spec.generation import (
     SpeculativeResponse,
     SpeculativeStats,
     speculative_generate_step,
     stream_generate,
 )
+from mlx_spec.mtp import MTPHead, head_of
 from mlx_spec.patch import patch_mlx_lm, unpatch_mlx_lm
 
 lm_generate = importlib.import_module("mlx_lm.generate")
@@ -343,3 +349,174 @@ def test_patched_command_with_cache_options_prints_plain_decodings_text(
     if "--max-kv-size" in options:
         # The option matters: mlx-lm's own speculative loop drops it and prints another text.
         assert unpatched != plain
+
+
+# -- patch_mlx_lm(mtp=True): the model's own MTP head -------------------------------------------
+
+MTP_PROMPT = "def read(path):\n"
+
+
+@pytest.fixture
+def drafters_seen(monkeypatch) -> list[str]:
+    """The class name of the drafter of every round that mlx-spec's loop runs."""
+    seen: list[str] = []
+    original = loop.Generation._round
+
+    def counted(self, n, proposal, remaining):
+        seen.append(type(self.drafter).__name__)
+        return original(self, n, proposal, remaining)
+
+    monkeypatch.setattr(loop.Generation, "_round", counted)
+    return seen
+
+
+def test_patch_with_mtp_loads_the_head_and_drafts_with_it(mtp_folders, drafters_seen) -> None:
+    import mlx_lm
+
+    folder, _ = mtp_folders
+    model, tokenizer = mlx_lm.load(str(folder))
+    assert head_of(model) is None  # mlx-lm's own load leaves the head aside
+    plain = mlx_lm.generate(model, tokenizer, MTP_PROMPT, max_tokens=60)
+    patch_mlx_lm(mtp=True)
+    try:
+        model, tokenizer = mlx_lm.load(str(folder))
+        stats = SpeculativeStats()
+        text = mlx_lm.generate(model, tokenizer, MTP_PROMPT, max_tokens=60, stats=stats)
+    finally:
+        unpatch_mlx_lm()
+    assert isinstance(head_of(model), MTPHead)
+    assert text == plain
+    assert drafters_seen and set(drafters_seen) == {"MTPDrafter"}
+    assert 0 < stats.accepted < stats.drafted
+
+
+@pytest.mark.parametrize("prompt_lookup", [False, True])
+def test_patch_with_mtp_leaves_a_model_without_a_head_as_it_was(
+    mtp_folders, drafters_seen, prompt_lookup
+) -> None:
+    import mlx_lm
+
+    _, bare = mtp_folders
+    patch_mlx_lm(mtp=True, prompt_lookup=prompt_lookup)
+    try:
+        model, tokenizer = mlx_lm.load(str(bare))
+        mlx_lm.generate(model, tokenizer, MTP_PROMPT * 2, max_tokens=20)
+    finally:
+        unpatch_mlx_lm()
+    assert head_of(model) is None
+    # mlx-lm's own generation, or, asked for, prompt lookup.
+    assert set(drafters_seen) == ({"PromptLookupDrafter"} if prompt_lookup else set())
+
+
+def test_patched_mlx_lm_command_drafts_with_the_models_head(
+    mtp_folders, drafters_seen, monkeypatch, capsys
+) -> None:
+    folder, _ = mtp_folders
+
+    def printed() -> str:
+        argv = f"mlx_lm.generate --model {folder} --max-tokens 40 --num-draft-tokens 3"
+        monkeypatch.setattr(sys, "argv", [*argv.split(), "--prompt", MTP_PROMPT])
+        lm_generate.main()
+        return capsys.readouterr().out
+
+    plain = printed()
+    patch_mlx_lm(mtp=True)
+    try:
+        speculative = printed()
+    finally:
+        unpatch_mlx_lm()
+    assert "Speculation" not in plain
+    text = plain.split("==========")[1]
+    assert len(text) > 20 and speculative.split("==========")[1] == text
+    found = re.search(r"Speculation: (\d+) rounds, (\d+)/(\d+) draft tokens accepted", speculative)
+    rounds, accepted, drafted = map(int, found.groups())
+    assert set(drafters_seen) == {"MTPDrafter"} and len(drafters_seen) == rounds
+    assert 0 < accepted < drafted
+
+
+LOADERS = ("mlx_lm", "mlx_lm.utils", "mlx_lm.generate", "mlx_lm.server")
+
+
+def loaders() -> list:
+    pytest.importorskip("mlx_lm.server")
+    return [sys.modules[name].load for name in LOADERS]
+
+
+def test_load_is_replaced_with_mtp_only_and_put_back() -> None:
+    originals = loaders()
+    assert set(originals) == {lm.load}
+    patch_mlx_lm(mtp=True)
+    try:
+        assert loaders() == [mtp_convert.load] * len(LOADERS)
+        patch_mlx_lm(mtp=True)
+        assert loaders() == [mtp_convert.load] * len(LOADERS)
+        patch_mlx_lm()  # the options anew: no MTP, mlx-lm's load
+        assert loaders() == originals
+        patch_mlx_lm(mtp=True)
+    finally:
+        unpatch_mlx_lm()
+    assert loaders() == originals
+
+
+@pytest.mark.parametrize("mtp", [1, "yes", None, np.bool_(True)])
+def test_a_bad_mtp_is_refused_before_any_work(mtp) -> None:
+    with pytest.raises(ValueError, match=r"^patch_mlx_lm: `mtp` must be a bool, got "):
+        patch_mlx_lm(mtp=mtp)
+    assert lm_generate.stream_generate is lm.stream_generate
+    assert loaders() == [lm.load] * len(LOADERS)
+
+
+def test_patched_server_serves_a_model_with_a_head_one_request_at_a_time(
+    mtp_folders, drafters_seen
+) -> None:
+    # The server batches the requests to a model when ModelProvider._load finds it batchable;
+    # otherwise it serves each through its stream_generate, which then drafts with the head.
+    server = pytest.importorskip("mlx_lm.server")
+    folder, bare = mtp_folders
+
+    def provider(model: Path, **options) -> object:
+        args = argparse.Namespace(
+            model=str(model), adapter_path=None, draft_model=None, pipeline=False,
+            trust_remote_code=False, chat_template=None, use_default_chat_template=False,
+        )  # fmt: skip
+        patch_mlx_lm(**options)
+        try:
+            loaded = server.ModelProvider(args)
+            loaded.load("default_model", None, "default_model")
+        finally:
+            unpatch_mlx_lm()
+        return loaded
+
+    without = provider(folder)
+    assert head_of(without.model) is None and without.is_batchable  # the control
+    assert provider(bare, mtp=True).is_batchable
+    served = provider(folder, mtp=True)
+    assert isinstance(head_of(served.model), MTPHead) and not served.is_batchable
+    prompt = served.tokenizer.encode(MTP_PROMPT)
+    plain = [t for t, _ in generate_step(mx.array(prompt), served.model, max_tokens=40)]
+    patch_mlx_lm(mtp=True)
+    try:
+        tokens = [
+            r.token
+            for r in server.stream_generate(
+                model=served.model, tokenizer=served.tokenizer, prompt=prompt, max_tokens=40,
+                prompt_cache=make_prompt_cache(served.model), draft_model=None,
+                num_draft_tokens=3,
+            )
+        ]  # fmt: skip
+    finally:
+        unpatch_mlx_lm()
+    assert tokens == plain
+    assert drafters_seen and set(drafters_seen) == {"MTPDrafter"}
+
+
+def test_patching_again_probes_mlx_lms_own_parts_not_the_replacements() -> None:
+    # A second patch_mlx_lm() runs the probes again: they must test mlx-lm's server and loading
+    # (a probe of the replaced prompt cache recursed, one of the replaced _load found no load).
+    pytest.importorskip("mlx_lm.server")
+    patch_mlx_lm(mtp=True)
+    try:
+        patch_mlx_lm(mtp=True)
+        assert all(_mlx_lm.report().values()), _mlx_lm.report()
+    finally:
+        unpatch_mlx_lm()

@@ -55,10 +55,12 @@ def free_port() -> int:
 class Server:
     """A server subprocess on 127.0.0.1 with its output in files; killed on exit if still up."""
 
-    def __init__(self, command: list[str], logs: Path, draft: bool = True) -> None:
+    def __init__(
+        self, command: list[str], logs: Path, draft: bool = True, model: str = TARGET
+    ) -> None:
         self.port = free_port()
         self.logs = logs
-        args = ["--model", TARGET, *(["--draft-model", DRAFT] if draft else [])]
+        args = ["--model", model, *(["--draft-model", DRAFT] if draft else [])]
         args += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "WARNING"]
         with open(logs / "stdout", "w") as out, open(logs / "stderr", "w") as err:
             self.process = subprocess.Popen([*command, *args], stdout=out, stderr=err, env=ENV)
@@ -285,6 +287,23 @@ def test_patched_server_answers_both_endpoints_and_exits_cleanly(tmp_path):
         # One greedy generation, streamed or not.
         assert replies[chat, True].text == replies[chat, False].text
         assert replies[chat, False].text.strip()
+
+
+def test_serve_with_mtp_answers_with_the_greedy_text_of_a_model_with_a_head(tmp_path, mtp_folders):
+    # examples/serve.py --mtp: the server loads the head and serves the model's requests one at a
+    # time through mlx-spec's loop, drafting with it (tests/test_patch.py watches the drafter).
+    import mlx_lm
+
+    folder, _ = mtp_folders
+    command = [sys.executable, str(SERVE), "--mtp"]
+    with Server(command, tmp_path, draft=False, model=str(folder)) as server:
+        request = Request(chat=False, prompt=0, max_tokens=24, text="def read(path):\n")
+        reply = send(server.port, request)
+        code, stderr = server.interrupt()
+    assert_clean_exit(code, stderr)
+    assert_answered(request, reply)
+    model, tokenizer = mlx_lm.load(str(folder))
+    assert reply.text == mlx_lm.generate(model, tokenizer, request.text, max_tokens=24)
 
 
 # -- requests that mlx-lm's handler leaves without an answer -----------------------------------

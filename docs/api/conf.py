@@ -5,7 +5,8 @@ napoleon their Google-style sections, and sphinx-markdown-builder writes Markdow
 Hooks fill in what those do not do on their own:
 
 - a constant shows its value as written and the ``#:`` comment above it, also where re-exported;
-- an entry that ``mlx_spec`` re-exports says so, and a reference to ``mlx_spec.name`` links to it;
+- an entry that ``mlx_spec`` (or another public module) re-exports says so, and a reference to
+  ``mlx_spec.name`` links to it;
 - ``.. mlx-spec-command::`` lists the command's subcommands and their options, from the parsers;
 - the build fails when a name in the ``__all__`` of a public module has no entry.
 """
@@ -82,10 +83,15 @@ def process_docstring(app, what, name, obj, options, lines) -> None:
     short = name.rsplit(".", 1)[-1]
     if what == "data":  # after napoleon: the comment is prose, not "type: description"
         lines[:] = assignment(short, obj)[1]
-    mlx_spec = sys.modules["mlx_spec"]
-    if name != f"mlx_spec.{short}" and short in mlx_spec.__all__:
-        if getattr(mlx_spec, short) is obj:
-            lines += ["", f"Also ``mlx_spec.{short}``: the same object."]
+    also = [
+        f"``{module_name}.{short}``"
+        for module_name in PUBLIC_MODULES
+        if name != f"{module_name}.{short}"
+        and short in getattr(sys.modules.get(module_name), "__all__", ())
+        and getattr(sys.modules[module_name], short) is obj
+    ]
+    if also:
+        lines += ["", f"Also {' and '.join(also)}: the same object."]
 
 
 def link_reexport(app, env, node, contnode):
@@ -104,10 +110,10 @@ def link_reexport(app, env, node, contnode):
 
 
 def has_entry(module, name: str) -> bool:
-    """Whether ``module.name`` has an entry: under its name, or where ``mlx_spec`` took it from."""
+    """Whether ``module.name`` has an entry: under its name, or where ``module`` took it from."""
     if f"{module.__name__}.{name}" in entries.values():
         return True
-    return module.__name__ == "mlx_spec" and id(getattr(module, name)) in entries
+    return id(getattr(module, name)) in entries
 
 
 def check_coverage(app, exception) -> None:

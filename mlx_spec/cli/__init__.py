@@ -4,8 +4,9 @@
   input-grounded and an open prompt, drafting with the draft model and with prompt lookup, the
   accepted draft tokens marked; then a table compares plain decoding, mlx-lm's speculative
   decoding and mlx-spec with each drafter.
-- ``mlx-spec generate --model M (--draft-model D | --prompt-lookup) --prompt P`` (:mod:`.generate`):
-  any mlx-lm model, streamed, with the speculation's counts at the end.
+- ``mlx-spec generate --model M (--draft-model D | --prompt-lookup | --mtp) --prompt P``
+  (:mod:`.generate`): any mlx-lm model, streamed, with the speculation's counts at the end and how
+  often each draft position was kept.
 - ``mlx-spec bench [--out DIR] [--quick]`` (:mod:`.bench`): generation on the shipped pair,
   every method interleaved, as a table and ``results.json``.
 - ``mlx-spec convert-mtp HF_DIR MLX_DIR`` (:mod:`.convert_mtp`): a model's MTP head, read from its
@@ -30,7 +31,7 @@ from ._common import Parser, run
 
 COMMANDS = {
     "demo": "see speculative decoding on the shipped model pair (no download)",
-    "generate": "generate with any mlx-lm model pair",
+    "generate": "generate with any mlx-lm model: a draft model, prompt lookup or its MTP head",
     "bench": "measure generation on the shipped pair: a table and results.json",
     "convert-mtp": "add a model's MTP head to its MLX folder, from the original checkpoint",
 }

@@ -1,9 +1,11 @@
 """``mlx-spec generate``: speculative generation with any mlx-lm model, streamed.
 
-Drafts come from a draft model (``--draft-model``, same tokenizer as the target) or from prompt
-lookup (``--prompt-lookup``, no second model). The models are loaded and checked before any
-generation; the speculation's counts come at the end. Started by ``mlx.launch`` on several ranks,
-the target is split over them (mlx-lm's sharded loading) and only rank 0 prints.
+Drafts come from a draft model (``--draft-model``, same tokenizer as the target), from prompt
+lookup (``--prompt-lookup``, no second model) or from the target's own MTP head (``--mtp``, added
+to its folder by ``mlx-spec convert-mtp``). The models are loaded and checked before any
+generation; the speculation's counts come at the end, with how often each draft position was
+kept. Started by ``mlx.launch`` on several ranks, the target is split over them (mlx-lm's sharded
+loading) and only rank 0 prints.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import argparse
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._checks import KV_BITS
 from ._common import (
@@ -36,6 +38,9 @@ from ._common import (
     utf8_text,
 )
 
+if TYPE_CHECKING:
+    from ..loop import SpeculativeStats
+
 
 def setup_arg_parser() -> Parser:
     """The parser of ``mlx-spec generate``."""
@@ -43,10 +48,10 @@ def setup_arg_parser() -> Parser:
         prog="mlx-spec generate",
         description=(
             "Speculative generation with any mlx-lm model, streamed: drafts come from a draft "
-            "model that shares the target's tokenizer, or from prompt lookup (no second model). "
-            "The output has exactly the target's distribution under the given sampler; the "
-            "speculation's counts come at the end. Started by mlx.launch on several ranks, the "
-            "target is split over them and only rank 0 prints."
+            "model that shares the target's tokenizer, from prompt lookup (no second model), or "
+            "from the target's own MTP head. The output has exactly the target's distribution "
+            "under the given sampler; the speculation's counts come at the end. Started by "
+            "mlx.launch on several ranks, the target is split over them and only rank 0 prints."
         ),
     )
     parser.add_argument(
@@ -65,6 +70,15 @@ def setup_arg_parser() -> Parser:
         "--prompt-lookup",
         action="store_true",
         help="draft by prompt lookup (n-gram matches in the prompt and the text so far), no model",
+    )
+    drafts.add_argument(
+        "--mtp",
+        action="store_true",
+        help=(
+            "draft with the target's own multi-token prediction (MTP) head, no second model: "
+            "Qwen3-Next, Qwen3.5 / 3.6, DeepSeek-V3 and GLM-4.5 ship one, which `mlx-spec "
+            "convert-mtp HF_DIR MLX_DIR` adds to an MLX folder (one process only)"
+        ),
     )
     parser.add_argument(
         "--prompt", type=prompt_text, required=True, help="the prompt text (UTF-8, not empty)"
@@ -157,6 +171,16 @@ def _check_options(args: argparse.Namespace) -> None:
         )
 
 
+def _check_mtp(args: argparse.Namespace, ranks: int) -> None:
+    """Refuses ``--mtp`` under ``mlx.launch``, before anything is loaded: a split target's heads
+    are not loaded."""
+    if args.mtp and ranks > 1:
+        raise CliError(
+            f"--mtp runs in one process, not split over {ranks} ranks; give --draft-model or "
+            "--prompt-lookup under mlx.launch"
+        )
+
+
 # -- loading and checking a model pair --------------------------------------------------------
 
 
@@ -210,9 +234,15 @@ def load_model(name: str, role: str) -> tuple[Any, Any]:
     Raises:
         CliError: the folder is missing or not a model folder, or mlx-lm cannot load it.
     """
-    folder = _model_folder(name, role)
     from mlx_lm import load
 
+    return _loaded(load, name, role)
+
+
+def _loaded(load: Any, name: str, role: str) -> tuple[Any, Any]:
+    """``load(name)`` (``mlx_lm.load``'s signature), with errors the user can act on (see
+    :func:`load_model`)."""
+    folder = _model_folder(name, role)
     try:
         return load(name if folder is None else str(folder))
     except Exception as error:
@@ -220,6 +250,47 @@ def load_model(name: str, role: str) -> tuple[Any, Any]:
             f"could not load the {role} model {shown(name)} ({_first_line(error)}); give a "
             "local mlx-lm model folder, or a name mlx-lm can download on this machine"
         ) from None
+
+
+def load_with_head(name: str) -> tuple[Any, Any]:
+    """:func:`mlx_spec.load` of the target ``name``, which must bring its MTP head.
+
+    Args:
+        name (str): a local model folder, or a name mlx-lm resolves (``org/model``).
+
+    Returns:
+        tuple: the model, its MTP head attached, and its ``TokenizerWrapper``.
+
+    Raises:
+        CliError: what :func:`load_model` raises; the model has no MTP head (the line says how
+            to add one, and why a file was left aside).
+    """
+    import warnings
+
+    from ..mtp import head_of
+    from ..mtp_convert import FAMILIES, FILE, load
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        model, tokenizer = _loaded(load, name, "target")
+    if head_of(model) is None:
+        # mlx_spec.load's own warnings ("load: ...") say why a head was not read.
+        why = "".join(f" ({w.message})" for w in said if str(w.message).startswith("load: "))
+        family = getattr(model, "model_type", None)
+        convert = "`mlx-spec convert-mtp HF_DIR MLX_DIR`"
+        how = (
+            f"{family} models ship none ({convert} adds the heads of {', '.join(FAMILIES)} models)"
+            if family is not None and family not in FAMILIES
+            else f"add it to an MLX folder from the model's original Hugging Face checkpoint "
+            f"with {convert} (it writes MLX_DIR/{FILE})"
+        )
+        raise CliError(
+            f"the target {shown(name)} has no MTP head{why}; {how}; give --draft-model or "
+            "--prompt-lookup instead"
+        )
+    for w in said:  # as they would have shown: through the filters
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return model, tokenizer
 
 
 def check_pair(tokenizer: Any, draft_tokenizer: Any) -> None:
@@ -241,6 +312,27 @@ def check_pair(tokenizer: Any, draft_tokenizer: Any) -> None:
 
 # -- the command -------------------------------------------------------------------------------
 
+KEPT_AT_SHOWN = 8
+"""The most draft positions :func:`kept_at` lists, so that its line stays short."""
+
+
+def kept_at(stats: SpeculativeStats) -> str:
+    """How often each draft position was kept, as one line: ``Kept at draft position 1, 2, 3:
+    81%, 64%, 40%`` (of the rounds that drafted a token there; the first
+    :data:`KEPT_AT_SHOWN` positions).
+
+    Args:
+        stats (SpeculativeStats): the counts of a generation that drafted.
+
+    Returns:
+        str: the line, without a newline.
+    """
+    rates = stats.acceptance_at[:KEPT_AT_SHOWN]
+    positions = ", ".join(str(i) for i in range(1, len(rates) + 1))
+    more = len(stats.acceptance_at) - len(rates)
+    rest = f" (and {more} later positions)" if more else ""
+    return f"Kept at draft position {positions}: {', '.join(f'{r:.0%}' for r in rates)}{rest}"
+
 
 def _generate(args: argparse.Namespace) -> int:
     _check_options(args)
@@ -251,10 +343,13 @@ def _generate(args: argparse.Namespace) -> int:
 
     prefer_mlx_attention()
     group = mx.distributed.init()
+    _check_mtp(args, group.size())
     # Under mlx.launch every rank runs this; the others print nothing.
     speak = group.rank() == 0
     folder = _model_folder(args.model, "target")
-    if group.size() > 1:
+    if args.mtp:
+        target, tokenizer = load_with_head(args.model)
+    elif group.size() > 1:
         try:
             target, tokenizer = load_sharded(
                 args.model if folder is None else folder, group, pipeline=args.pipeline
@@ -266,7 +361,7 @@ def _generate(args: argparse.Namespace) -> int:
             ) from None
     else:
         target, tokenizer = load_model(args.model, "target")
-    options: dict[str, Any] = {"drafter": "prompt-lookup"}
+    options: dict[str, Any] = {"drafter": "mtp" if args.mtp else "prompt-lookup"}
     if args.draft_model is not None:
         draft, draft_tokenizer = load_model(args.draft_model, "draft")
         check_pair(tokenizer, draft_tokenizer)
@@ -312,7 +407,7 @@ def _generate(args: argparse.Namespace) -> int:
             f"Generation: {response.generation_tokens} tokens, "
             f"{response.generation_tps:.1f} tokens/s ({response.finish_reason})"
         )
-    drafter = "prompt lookup" if args.prompt_lookup else "draft model"
+    drafter = "MTP head" if args.mtp else "prompt lookup" if args.prompt_lookup else "draft model"
     length = "fixed" if args.fixed else "adaptive, at most"
     drafts = (
         f"{stats.drafted} drafted, {stats.accepted} accepted "
@@ -324,4 +419,6 @@ def _generate(args: argparse.Namespace) -> int:
         f"Speculation: {drafter}, N {length} {args.num_draft_tokens}, {stats.rounds} rounds, "
         f"{drafts}, {stats.tokens_per_round:.2f} tokens per round; seed {key_seed}"
     )
+    if stats.drafted:
+        print(kept_at(stats))
     return 0
