@@ -12,6 +12,9 @@ versions, with a fallback that stays exact and one warning naming what the fallb
 - **Gated delta-net states** (``gated_delta._gated_delta_step_ops``, each model module's
   ``gated_delta_update``, a layer's ``conv1d`` class): the state after every position of a
   verification is kept. Fallback: a replay after a rejection.
+- **Batch caches** (``BatchKVCache.prepare(right_padding=...)`` then ``finalize``, which roll
+  each row right and grow its left padding): after a batched verification each row is taken back
+  to its own kept length in place. Fallback: each row extracted, trimmed and merged back (a copy).
 - **Snapshots**: a cache is checkpointed through its ``state`` where that holds everything it
   keeps, else through its attributes (always exact; no warning).
 - **Caches of a model's own** (deepseek-v4's ``LayerCache``, matched by name): restored from a
@@ -53,13 +56,20 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import RotatingKVCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    RotatingKVCache,
+    can_trim_prompt_cache,
+    trim_prompt_cache,
+)
 
 __all__ = [
     "Positions",
+    "batch_rows_kept",
     "decode_masks",
     "decoder_layer",
     "is_greedy_sampler",
+    "keep_rows",
     "lm",
     "replace_load",
     "report",
@@ -1114,6 +1124,83 @@ def unpatch_server() -> None:
     _serial["model"] = _never
 
 
+# --- batch caches ----------------------------------------------------------------------------
+
+
+def _kept_in_place(layer: BatchKVCache, fed: int, kept: list[int]) -> BatchKVCache:
+    """:func:`keep_rows` through the cache's ``trim``, ``prepare(right_padding=...)`` and
+    ``finalize``: each row's newest entries past what it keeps are cut, and the row is moved right
+    by as many columns, the columns moved in becoming its left padding (what mlx-lm's prompt
+    processing does to right-padded prompts)."""
+    most = max(kept)
+    layer.trim(fed - most)
+    shifts = [most - k for k in kept]
+    if any(shifts):
+        layer.prepare(right_padding=shifts)
+        layer.finalize()
+    return layer
+
+
+def _kept_by_rows(layer: BatchKVCache, fed: int, kept: list[int]) -> BatchKVCache:
+    """:func:`keep_rows` through public calls alone: each row extracted, trimmed and merged back
+    (a copy of the whole cache)."""
+    rows = [layer.extract(i) for i in range(len(kept))]
+    for row, k in zip(rows, kept, strict=True):
+        row.trim(fed - k)
+    return BatchKVCache.merge(rows)
+
+
+def _rows(layer: BatchKVCache) -> list[list[float]]:
+    """Each row's first key value per position, as :meth:`BatchKVCache.extract` gives them."""
+    return [layer.extract(i).keys[0, 0, :, 0].tolist() for i in range(layer.offset.size)]
+
+
+@cache
+def batch_rows_kept() -> bool:
+    """Whether :func:`_kept_in_place` gives what per-row trims give on this mlx-lm: after two
+    rows of different lengths are fed three columns and keep 1 and 3 of them, each row holds its
+    tokens and the next call's positions follow them."""
+    try:
+        layer = BatchKVCache([1, 0])
+        first = mx.array([[0.0, 1.0, 2.0], [10.0, 11.0, 12.0]]).reshape(2, 1, 3, 1)
+        layer.update_and_fetch(first, first)
+        fed = mx.array([[3.0, -1.0, -1.0], [13.0, 14.0, 15.0]]).reshape(2, 1, 3, 1)
+        layer.update_and_fetch(fed, fed)
+        layer = _kept_in_place(layer, 3, [1, 3])
+        want = [[1.0, 2.0, 3.0], [10.0, 11.0, 12.0, 13.0, 14.0, 15.0]]
+        if _rows(layer) != want or layer.offset.tolist() != [3, 6]:
+            raise AssertionError(f"rows {_rows(layer)} at {layer.offset.tolist()}, not {want}")
+        return True
+    except Exception as error:
+        _lost("taking each row of a batch cache back to its own length in place", error)
+        return False
+
+
+def keep_rows(layer: BatchKVCache, fed: int, kept: list[int]) -> BatchKVCache:
+    """Takes each row of a batch cache back after a call that fed ``fed`` columns to every row:
+    row ``i`` keeps the first ``kept[i]`` of them.
+
+    A ``BatchKVCache`` has one length for all its rows, each row's tokens ending there after its
+    left padding; a row that keeps fewer columns than the most is moved right, its padding
+    growing by the difference. Where this mlx-lm's cache does not behave as
+    :func:`batch_rows_kept` checks, each row is extracted, trimmed and merged back (exact, with a
+    copy of the cache).
+
+    Args:
+        layer (BatchKVCache): one layer's cache of the batch.
+        fed (int): the columns the last call fed every row.
+        kept (list of int): for each row, how many of them it keeps, in ``[0, fed]``.
+
+    Returns:
+        BatchKVCache: the cache (``layer`` itself, or its replacement).
+    """
+    if layer.keys is None:
+        return layer
+    if batch_rows_kept():
+        return _kept_in_place(layer, fed, kept)
+    return _kept_by_rows(layer, fed, kept)
+
+
 # --- the report --------------------------------------------------------------------------------
 
 
@@ -1165,6 +1252,7 @@ def report() -> dict[str, bool]:
     server = importlib.import_module("mlx_lm.server")
     return {
         "rotating caches trimmed in place": rotating_trims(),
+        "batch cache rows taken back in place": batch_rows_kept(),
         "rotating caches that keep tokens verified in one call": rotating_masks(),
         "gated delta-net states kept": track(_tiny_delta_net()) == 1,
         "ArraysCache snapshots through state": snapshot(arrays)[0] == "state",
