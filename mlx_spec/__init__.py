@@ -20,6 +20,8 @@ _NEEDS_MLX_LM = {
     "PromptLookupDrafter": "drafters",
     "SpeculativeResponse": "generation",
     "SpeculativeStats": "generation",
+    "SpeculativeBatch": "batch",
+    "batch_generate": "batch",
     "generate": "generation",
     "speculative_generate_step": "generation",
     "stream_generate": "generation",

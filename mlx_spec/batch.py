@@ -1,0 +1,501 @@
+"""Speculative decoding for many sequences at once, as mlx-lm's batched generation runs them.
+
+mlx-lm's ``GenerationBatch`` feeds every sequence of a batch one token per target call. A
+:class:`SpeculativeBatch` runs rounds instead. Each sequence drafts for itself (its own prompt
+lookup index, or its rows of a draft model run as a batch on batch caches of its own) up to its
+own draft length, which may be 0. A round then makes:
+
+1. one target call over ``[B, 1 + N]`` positions: each row's last token and its drafts, right
+   padded to the longest draft ``N``;
+2. the decision for every row at once, as one lazy graph (:func:`decide`);
+3. one host read of the decisions and the drafts;
+4. per-row rollback: each row of the batch caches is taken back to its own kept length
+   (:func:`mlx_spec._mlx_lm.keep_rows`).
+
+A row emits its kept drafts and the target's token after them, cut at an EOS or at its
+``max_tokens`` as mlx-lm cuts it. Greedy acceptance keeps a draft token while it equals the
+target's argmax at its position, so every sequence's tokens are the target's greedy decoding.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.generate import BatchResponse, GenerationBatch, PromptProcessingBatch
+from mlx_lm.generate_utils import BatchStats
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+
+from . import _mlx_lm
+from ._checks import check_int, device_type, is_int
+from .acceptance import _argmax_rows, _compile_per_thread, _matching, check_next
+from .draft_length import MAX_DRAFT_TOKENS
+from .drafters import Drafter, DraftSetup, PromptLookupDrafter
+from .loop import Text, vocab_size
+from .rules import Rule
+
+__all__ = ["SpeculativeBatch", "batch_generate", "decide"]
+
+#: A draft id no target token equals: it fills the draft columns a row does not use.
+NO_DRAFT = 2**32 - 1
+
+Response = GenerationBatch.Response
+
+
+def _decide(logits: mx.array, drafts: mx.array, eos: mx.array | None) -> mx.array:
+    b, w, v = logits.shape
+    on_cpu = device_type(None) == mx.cpu
+    choice, invalid = _argmax_rows(logits.reshape(b * w, v), on_cpu)
+    rows = mx.vmap(lambda c, i, d: _matching(c, i, d, eos))
+    return rows(choice.reshape(b, w), invalid.reshape(b, w), drafts)
+
+
+_decide_graph = _compile_per_thread(_decide)
+
+
+def decide(logits: mx.array, drafts: mx.array, eos: mx.array | None) -> mx.array:
+    """Greedy acceptance for every row of a batch at once, unchecked.
+
+    Args:
+        logits (array): ``[B, N + 1, V]`` float target logits of the round.
+        drafts (array): ``[B, N]`` uint32 draft tokens; :data:`NO_DRAFT` past a row's own
+            draft, so that nothing there is kept.
+        eos (array, optional): ``[E]`` uint32 end-of-sequence ids, ``E >= 1``; ``None`` for none.
+
+    Returns:
+        array: lazy ``[B, 3]`` uint32, each row :func:`mlx_spec.accept_greedy`'s
+        ``[accepted, next, eos_hit]`` for that row.
+    """
+    return _decide_graph(logits, drafts, eos)
+
+
+@dataclass
+class _Sequence:
+    """One sequence of a batch.
+
+    Attributes:
+        uid (int): its id, as mlx-lm's ``BatchGenerator`` numbers sequences.
+        text (Text): its prompt and the tokens emitted so far.
+        drafter (Drafter, optional): its own prompt lookup (``None`` with a draft model).
+        draft_length (int): the most draft tokens a round.
+        max_tokens (int): the tokens it may emit.
+        lag (int): tokens before the text's last that the draft model's caches lack.
+    """
+
+    uid: int
+    text: Text
+    drafter: Drafter | None
+    draft_length: int
+    max_tokens: int
+    lag: int = 0
+
+    def budget(self) -> int:
+        """The draft tokens a round may verify: a round emits at most that many and one more."""
+        return max(0, min(self.draft_length, self.max_tokens - self.text.position - 1))
+
+
+def _padded(rows: list[list[int]], width: int, fill: int) -> mx.array:
+    """``[len(rows), width]`` uint32: each row followed by ``fill``."""
+    return mx.array([row + [fill] * (width - len(row)) for row in rows], dtype=mx.uint32)
+
+
+def _prefill(model: nn.Module, prompts: list[list[int]], step: int) -> list[Any]:
+    """The batch caches of ``model`` holding each prompt but its last token, filled as mlx-lm's
+    ``BatchGenerator`` fills them (right padded, then each row moved behind left padding)."""
+    caches = [make_prompt_cache(model) for _ in prompts]
+    batch = PromptProcessingBatch(model, list(range(len(prompts))), caches, prefill_step_size=step)
+    batch.prompt([p[:-1] for p in prompts])
+    return batch.prompt_cache
+
+
+def _finish(count: int, token: int, most: int, eos: set[int]) -> str | None:
+    """mlx-lm's finish reason after a sequence's ``count``-th token ``token``."""
+    if token in eos:
+        return "stop"
+    return "length" if count >= most else None
+
+
+class SpeculativeBatch:
+    """A batch of sequences decoded speculatively together: the counterpart of mlx-lm's
+    ``GenerationBatch``, whose :meth:`next` runs one round and returns each emitted token as a
+    ``GenerationBatch.Response``.
+
+    Args:
+        model (nn.Module): the target model; its caches must batch as ``BatchKVCache``.
+        prompts (list of list of int): each sequence's prompt, non-empty.
+        draft_lengths (list of int): each sequence's most draft tokens a round, ``>= 0``.
+        max_tokens (list of int): each sequence's tokens to emit, ``>= 1``.
+        eos_token_ids (list of int): ids that end a sequence (emitted, finish reason ``"stop"``).
+        draft_model (nn.Module, optional): drafts for every sequence, run as a batch.
+        drafter (Drafter, optional): a prompt lookup drafter; each sequence gets its own copy.
+        prefill_step_size (int): prompt tokens per prefill call. Default: ``2048``.
+        return_prompt_caches (bool): give each finished sequence's caches in its last response
+            (one target call each, for the token a round leaves unfed). Default: ``False``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        prompts: list[list[int]],
+        draft_lengths: list[int],
+        max_tokens: list[int],
+        eos_token_ids: list[int],
+        *,
+        draft_model: nn.Module | None = None,
+        drafter: Drafter | None = None,
+        prefill_step_size: int = 2048,
+        return_prompt_caches: bool = False,
+    ) -> None:
+        self.model = model
+        self.draft_model = draft_model
+        self.vocab = vocab_size(model)
+        self.eos = set(eos_token_ids)
+        self._eos = mx.array(eos_token_ids, dtype=mx.uint32) if eos_token_ids else None
+        self.return_prompt_caches = return_prompt_caches
+        self.sequences = [
+            _sequence(uid, prompt, drafter, n, most)
+            for uid, (prompt, n, most) in enumerate(
+                zip(prompts, draft_lengths, max_tokens, strict=True)
+            )
+        ]
+        self.cache = _prefill(model, prompts, prefill_step_size)
+        self.draft_cache = (
+            _prefill(draft_model, prompts, prefill_step_size) if draft_model is not None else []
+        )
+        self.rounds = 0
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def _proposals(self) -> mx.array:
+        """``[B, N]`` uint32: each row's draft, then :data:`NO_DRAFT` to the longest's length."""
+        budgets = [s.budget() for s in self.sequences]
+        if self.draft_model is not None:
+            n = max(budgets)
+            if n == 0:
+                return mx.zeros((len(self), 0), dtype=mx.uint32)
+            drafts = self._draft_with_model(n)
+            used = mx.array(np.arange(n)[None] < np.array(budgets)[:, None])
+            return mx.where(used, drafts, NO_DRAFT).astype(mx.uint32)
+        rows = [
+            s.drafter.propose(s.text, b, None).tokens.tolist() if b else []
+            for s, b in zip(self.sequences, budgets, strict=True)
+        ]
+        return _padded(rows, max(len(r) for r in rows), NO_DRAFT)
+
+    def _draft_with_model(self, n: int) -> mx.array:
+        """``[B, n]`` uint32: the draft model's greedy tokens after each row's text, lazy. Its
+        caches then hold each row's text and ``n - 1`` drafts, as if no row lagged."""
+        lags = [s.lag for s in self.sequences]
+        width = max(lags) + 1
+        rows = [s.text.ids(len(s.text) - s.lag - 1) for s in self.sequences]
+        logits = self.draft_model(_padded(rows, width, 0), cache=self.draft_cache)
+        at = mx.array(lags)[:, None, None]
+        tokens = [mx.argmax(mx.take_along_axis(logits, at, axis=1)[:, 0], axis=-1)]
+        self.draft_cache[:] = [
+            _mlx_lm.keep_rows(layer, width, [lag + 1 for lag in lags]) for layer in self.draft_cache
+        ]
+        for s in self.sequences:
+            s.lag = 0
+        for _ in range(n - 1):
+            logits = self.draft_model(tokens[-1][:, None], cache=self.draft_cache)
+            tokens.append(mx.argmax(logits[:, -1], axis=-1))
+        return mx.stack(tokens, axis=1).astype(mx.uint32)
+
+    def _inputs(self, drafts: mx.array) -> mx.array:
+        """``[B, 1 + N]`` uint32: each row's last token, then its drafts, an id the target lacks
+        (a draft model's padded vocabulary) or an unused column given as a valid id instead:
+        nothing after a rejected or unused position is kept."""
+        last = mx.array([[s.text.ids(len(s.text) - 1)[0]] for s in self.sequences], mx.uint32)
+        fed = mx.where(drafts >= self.vocab, last, drafts) if self.vocab else drafts
+        return mx.concatenate([last, fed], axis=1)
+
+    def next(self) -> list[Response]:
+        """Runs one round.
+
+        Returns:
+            list: a ``GenerationBatch.Response`` for each token emitted, in order per sequence;
+            a sequence's last one has its finish reason (``"stop"`` or ``"length"``), its
+            prompt cache (the target's, holding its prompt and every token it emitted) and all
+            its tokens. Finished sequences leave the batch.
+        """
+        if not self.sequences:
+            return []
+        drafts = self._proposals()
+        logits = self.model(self._inputs(drafts), cache=self.cache)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        decided = decide(logits, drafts, self._eos)
+        read = np.array(mx.concatenate([decided, drafts], axis=1))
+        self.rounds += 1
+        width = drafts.shape[1] + 1
+        kept = []
+        responses = []
+        for i, s in enumerate(self.sequences):
+            accepted, token, _ = (int(x) for x in read[i, :3])
+            check_next("mlx_spec.batch_generate", token, (i,))
+            emitted = [int(x) for x in read[i, 3 : 3 + accepted]] + [token]
+            kept.append(accepted + 1)
+            responses.extend(self._emit(i, s, emitted, logprobs))
+            if s.drafter is not None:
+                s.drafter.update(s.text, accepted)
+            if self.draft_model is not None:
+                s.lag += accepted + 1 - min(accepted + 1, drafts.shape[1])
+        self.cache[:] = [_mlx_lm.keep_rows(layer, width, kept) for layer in self.cache]
+        if self.draft_model is not None and drafts.shape[1]:
+            n = drafts.shape[1]
+            self.draft_cache[:] = [
+                _mlx_lm.keep_rows(layer, n, [min(k, n) for k in kept]) for layer in self.draft_cache
+            ]
+        done = {r.uid for r in responses if r.finish_reason is not None}
+        for r in responses:
+            if r.finish_reason is not None and self.return_prompt_caches:
+                r.prompt_cache = self._final_cache(r.uid)
+        self._filter([i for i, s in enumerate(self.sequences) if s.uid not in done])
+        return responses
+
+    def _emit(self, i: int, s: _Sequence, emitted: list[int], logprobs: mx.array) -> list[Response]:
+        """Appends ``emitted`` to row ``i``'s text up to where it finishes, as responses."""
+        responses = []
+        for j, token in enumerate(emitted):
+            s.text.extend([token])
+            reason = _finish(s.text.position, token, s.max_tokens, self.eos)
+            everything = s.text.ids(0) if reason else None
+            responses.append(Response(s.uid, token, logprobs[i, j], reason, None, everything))
+            if reason:
+                break
+        return responses
+
+    def _final_cache(self, uid: int) -> list[Any]:
+        """The target's caches of sequence ``uid`` alone, holding its prompt and every token it
+        emitted (the rounds leave its last token unfed; it is fed here)."""
+        i = next(i for i, s in enumerate(self.sequences) if s.uid == uid)
+        s = self.sequences[i]
+        caches = [layer.extract(i) for layer in self.cache]
+        missing = len(s.text) - caches[0].offset
+        if missing:
+            self.model(mx.array([s.text.ids(len(s.text) - missing)]), cache=caches)
+        return caches
+
+    def _filter(self, keep: list[int]) -> None:
+        """Keeps rows ``keep`` of the batch and its caches."""
+        if len(keep) == len(self.sequences):
+            return
+        self.sequences = [self.sequences[i] for i in keep]
+        for caches in (self.cache, self.draft_cache):
+            if not keep:
+                caches.clear()
+            for layer in caches:
+                layer.filter(keep)
+
+
+def _sequence(
+    uid: int, prompt: list[int], drafter: Drafter | None, draft_length: int, max_tokens: int
+) -> _Sequence:
+    """A sequence with its own copy of ``drafter``, started on its prompt."""
+    text = Text(mx.array(prompt, dtype=mx.uint32), list(prompt))
+    mine = None
+    if drafter is not None:
+        mine = copy.deepcopy(drafter)
+        mine.start(text, DraftSetup(Rule("greedy")))
+    return _Sequence(uid, text, mine, draft_length, max_tokens)
+
+
+def _per_prompt(
+    op: str, name: str, value: object, count: int, least: int, most: int | None
+) -> list[int]:
+    """An int for every prompt, from one int or a list of ``count``."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(
+                f"{op}: `{name}` must be an int or a list of one per prompt ({count}), got a "
+                f"list of {len(value)}"
+            )
+        return [check_int(op, name, v, least, most) for v in value]
+    return [check_int(op, name, value, least, most)] * count
+
+
+def _check_prompts(op: str, prompts: object, vocab: int | None) -> list[list[int]]:
+    """The prompts as lists of ids, each non-empty and inside the target's vocabulary."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(
+            f"{op}: `prompts` must be a non-empty list of token id lists, got {prompts!r}"
+        )
+    limit = vocab if vocab is not None else 2**32
+    for i, prompt in enumerate(prompts):
+        if (
+            not isinstance(prompt, (list, tuple))
+            or not prompt
+            or not all(is_int(t) and 0 <= t < limit for t in prompt)
+        ):
+            raise ValueError(
+                f"{op}: `prompts[{i}]` must be a non-empty list of token ids in [0, {limit}), "
+                f"got {prompt!r}"
+            )
+    return [[int(t) for t in prompt] for prompt in prompts]
+
+
+def _check_batchable(op: str, name: str, model: object) -> None:
+    """Refuses a model whose caches do not batch as ``BatchKVCache`` (rotating windows, the
+    recurrent layers of hybrids): taking their rows back is not written yet."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{op}: `{name}` must be an mlx.nn.Module, got {type(model).__name__}")
+    kinds = {type(layer).__name__ for layer in make_prompt_cache(model)}
+    if kinds != {KVCache.__name__}:
+        raise ValueError(
+            f"{op}: `{name}` has caches of {sorted(kinds)}; batched speculation takes only "
+            f"models whose caches are all KVCache (batched as {BatchKVCache.__name__})"
+        )
+
+
+def _check_drafter(op: str, draft_model: object, drafter: object) -> Drafter | None:
+    """The prompt lookup drafter each sequence copies (``None`` with a draft model)."""
+    if (draft_model is None) == (drafter is None):
+        raise ValueError(
+            f"{op}: give one of `draft_model` and `drafter`, got {type(draft_model).__name__} "
+            f"and {drafter!r}"
+        )
+    if drafter is None:
+        _check_batchable(op, "draft_model", draft_model)
+        return None
+    if isinstance(drafter, str) and drafter == "prompt-lookup":
+        return PromptLookupDrafter()
+    if isinstance(drafter, PromptLookupDrafter):
+        return drafter
+    raise ValueError(
+        f"{op}: `drafter` must be 'prompt-lookup' or a PromptLookupDrafter, got {drafter!r}"
+    )
+
+
+def batch_generate(
+    model: nn.Module,
+    tokenizer: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    draft_model: nn.Module | None = None,
+    drafter: str | PromptLookupDrafter | None = None,
+    num_draft_tokens: int | Sequence[int] = 3,
+    max_tokens: int | Sequence[int] = 128,
+    sampler: Any = None,
+    prefill_step_size: int = 2048,
+    verbose: bool = False,
+    return_prompt_caches: bool = False,
+    return_token_ids: bool = False,
+    return_logprobs: bool = False,
+) -> BatchResponse:
+    """Speculative decoding of many prompts at once: a drop-in for ``mlx_lm.batch_generate``.
+
+    The prompts are decoded together (:class:`SpeculativeBatch`), each round one target call
+    over every sequence's last token and drafts. Acceptance is greedy: every sequence's tokens
+    are the target's greedy decoding, those mlx-lm's ``batch_generate`` gives the same prompts.
+
+    Args:
+        model (nn.Module): the target model; its caches must all be ``KVCache`` (no sliding
+            windows, no recurrent layers yet).
+        tokenizer (TokenizerWrapper): the target's tokenizer: its ``eos_token_ids`` end a
+            sequence, and it decodes the texts.
+        prompts (list of list of int): ``B >= 1`` prompts, each ``[L_i]`` token ids, ``L_i >= 1``,
+            inside the target's vocabulary.
+        draft_model (nn.Module, optional): a draft model with the target's tokenizer and
+            ``KVCache`` caches, run as a batch. Give it or ``drafter``.
+        drafter (str or PromptLookupDrafter, optional): ``"prompt-lookup"``, or a
+            :class:`mlx_spec.PromptLookupDrafter` whose settings each sequence copies into its
+            own index.
+        num_draft_tokens (int or list of int): the most draft tokens a round, in
+            ``[0, MAX_DRAFT_TOKENS]``, for all prompts or one per prompt (``0``: that sequence
+            does not draft). Default: ``3``.
+        max_tokens (int or list of int): tokens to generate, ``>= 1``, for all prompts or one
+            per prompt. Default: ``128``.
+        sampler (callable, optional): only ``None`` or a greedy sampler for now.
+        prefill_step_size (int): prompt tokens per prefill call, ``>= 1``. Default: ``2048``.
+        verbose (bool): print the statistics at the end. Default: ``False``.
+        return_prompt_caches (bool): return each sequence's target caches, holding its prompt
+            and every token it generated. Default: ``False``.
+        return_token_ids (bool): return the generated ids. Default: ``False``.
+        return_logprobs (bool): return each generated token's float log-probability.
+            Default: ``False``.
+
+    Returns:
+        BatchResponse: mlx-lm's, in the order of ``prompts``: ``texts``, ``stats`` (rounds
+        counted as ``generation_steps``), and ``caches``, ``token_ids`` and ``logprobs`` where
+        asked for. A sequence's EOS token ends it and is not part of its text, as in mlx-lm.
+
+    Raises:
+        ValueError: an argument is of the wrong type or out of range, a model's caches do not
+            batch, or a sampler samples; the message names the argument. Raised before any work.
+    """
+    op = "mlx_spec.batch_generate"
+    _check_batchable(op, "model", model)
+    copied = _check_drafter(op, draft_model, drafter)
+    ids = _check_prompts(op, prompts, vocab_size(model))
+    lengths = _per_prompt(op, "num_draft_tokens", num_draft_tokens, len(ids), 0, MAX_DRAFT_TOKENS)
+    most = _per_prompt(op, "max_tokens", max_tokens, len(ids), 1, None)
+    if sampler is not None and not (
+        _mlx_lm.is_greedy_sampler(sampler) or getattr(sampler, "greedy", False)
+    ):
+        raise ValueError(f"{op}: `sampler` must be None or greedy for now, got {sampler!r}")
+    check_int(op, "prefill_step_size", prefill_step_size, 1)
+    for name, flag in (
+        ("verbose", verbose),
+        ("return_prompt_caches", return_prompt_caches),
+        ("return_token_ids", return_token_ids),
+        ("return_logprobs", return_logprobs),
+    ):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{op}: `{name}` must be a bool, got {flag!r}")
+    stats = BatchStats()
+    start = time.perf_counter()
+    with mx.stream(_mlx_lm.lm.generation_stream):
+        batch = SpeculativeBatch(
+            model,
+            ids,
+            lengths,
+            most,
+            list(tokenizer.eos_token_ids),
+            draft_model=draft_model,
+            drafter=copied,
+            prefill_step_size=prefill_step_size,
+            return_prompt_caches=return_prompt_caches,
+        )
+        stats.prompt_tokens = sum(len(p) for p in ids)
+        stats.prompt_time = time.perf_counter() - start
+        results = _run(batch, stats)
+    stats.wall_time = time.perf_counter() - start
+    stats.peak_memory = mx.get_peak_memory() / 1e9
+    if verbose:
+        print(
+            f"[batch_generate] Prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.3f} "
+            f"tokens-per-sec\n[batch_generate] Generation: {stats.generation_tokens} tokens in "
+            f"{stats.generation_steps} rounds, {stats.generation_tps:.3f} tokens-per-sec"
+        )
+    tokens = [[r.token for r in rs if r.finish_reason != "stop"] for rs in results]
+    return BatchResponse(
+        texts=[tokenizer.decode(t) for t in tokens],
+        stats=stats,
+        caches=[rs[-1].prompt_cache for rs in results] if return_prompt_caches else None,
+        token_ids=tokens if return_token_ids else None,
+        logprobs=[
+            [r.logprobs[r.token].item() for r in rs if r.finish_reason != "stop"] for rs in results
+        ]
+        if return_logprobs
+        else None,
+    )
+
+
+def _run(batch: SpeculativeBatch, stats: BatchStats) -> list[list[Response]]:
+    """Runs ``batch`` to its end: each sequence's responses, by uid."""
+    results: list[list[Response]] = [[] for _ in range(len(batch))]
+    while len(batch):
+        tic = time.perf_counter()
+        responses = batch.next()
+        stats.decode_time += time.perf_counter() - tic
+        stats.generation_steps += 1
+        stats.generation_tokens += len(responses)
+        for r in responses:
+            results[r.uid].append(r)
+    return results

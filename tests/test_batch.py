@@ -1,0 +1,180 @@
+"""Batched speculative decoding (``mlx_spec.batch``) against mlx-lm's own batched generation.
+
+At temperature 0 every sequence's tokens must be those mlx-lm's ``batch_generate`` gives the same
+prompts in the same batch, whatever the drafter, the draft lengths, or where a sequence ends.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from helpers import ByteTokenizer
+from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from tiny_models import cut, tiny_llama, tiny_qwen2
+
+import mlx_spec
+from mlx_spec import _mlx_lm
+
+# Very different lengths: a repeated phrase (prompt lookup finds it), a single token, a short
+# repetition and a long one.
+PROMPTS = [[1, 2, 3, 4, 5] * 8, [7], [9, 10, 11, 9, 10, 11, 9, 10], [3, 4, 8] * 25]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return TokenizerWrapper(ByteTokenizer())
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def pair(request):
+    """A target and a draft of it: its first layer alone."""
+    model = tiny_llama(0) if request.param == "llama" else tiny_qwen2(3)
+    return model, cut(model, 1)
+
+
+def plain(model, tokenizer, prompts, max_tokens, **kwargs):
+    """mlx-lm's own batched generation, without speculation."""
+    response = mlx_lm.batch_generate(
+        model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True, **kwargs
+    )
+    return response.token_ids
+
+
+def speculative(model, tokenizer, prompts, max_tokens, **kwargs):
+    return mlx_spec.batch_generate(
+        model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True, **kwargs
+    )
+
+
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "draft-model"])
+def test_every_sequence_is_mlx_lms_batched_greedy_output(pair, tokenizer, drafter):
+    model, draft = pair
+    kwargs = {"drafter": drafter} if drafter == "prompt-lookup" else {"draft_model": draft}
+    want = plain(model, tokenizer, PROMPTS, 40)
+    got = speculative(model, tokenizer, PROMPTS, 40, num_draft_tokens=4, **kwargs)
+    assert got.token_ids == want
+    assert got.texts == [tokenizer.decode(t) for t in want]
+
+
+def test_per_sequence_draft_lengths_including_zero(pair, tokenizer):
+    model, draft = pair
+    max_tokens = [30, 12, 25, 30]
+    want = plain(model, tokenizer, PROMPTS, max_tokens)
+    for kwargs in ({"draft_model": draft}, {"drafter": mlx_spec.PromptLookupDrafter(2)}):
+        got = speculative(
+            model, tokenizer, PROMPTS, max_tokens, num_draft_tokens=[3, 0, 5, 1], **kwargs
+        )
+        assert got.token_ids == want, kwargs
+
+
+def test_a_draft_equal_to_the_target_keeps_every_draft_token(tokenizer):
+    """Rounds are counted: a draft the target always agrees with emits ``N + 1`` a round."""
+    model = tiny_llama(0)
+    n, max_tokens = 3, 22
+    got = speculative(model, tokenizer, PROMPTS, max_tokens, draft_model=model, num_draft_tokens=n)
+    assert got.token_ids == plain(model, tokenizer, PROMPTS, max_tokens)
+    assert got.stats.generation_steps == math.ceil(max_tokens / (n + 1))
+
+
+def test_no_draft_is_one_token_a_round(tokenizer):
+    model = tiny_llama(0)
+    got = speculative(model, tokenizer, PROMPTS, 9, drafter="prompt-lookup", num_draft_tokens=0)
+    assert got.token_ids == plain(model, tokenizer, PROMPTS, 9)
+    assert got.stats.generation_steps == 9
+
+
+def test_eos_inside_a_draft_ends_only_its_sequence():
+    """The EOS id is a token sequence 0 emits at a position its round drafts (the draft is the
+    target itself, so every draft token is kept and rounds emit ``N + 1`` tokens)."""
+    model, n = tiny_llama(0), 3
+    free = plain(model, TokenizerWrapper(ByteTokenizer()), PROMPTS, 24)[0]
+    # Generated position k is drafted when it is not the last of its round's N + 1 tokens.
+    k = next(k for k, t in enumerate(free) if k >= 4 and k % (n + 1) != n and t not in free[:k])
+    eos = TokenizerWrapper(ByteTokenizer(), eos_token_ids=[free[k]])
+    want = plain(model, eos, PROMPTS, 24)
+    assert want[0] == free[:k]
+    got = speculative(model, eos, PROMPTS, 24, draft_model=model, num_draft_tokens=n)
+    assert got.token_ids == want
+
+
+def test_prompt_caches_hold_the_prompt_and_every_token(pair, tokenizer):
+    model, draft = pair
+    want = mlx_lm.batch_generate(
+        model, tokenizer, PROMPTS, max_tokens=15, return_prompt_caches=True
+    ).caches
+    got = mlx_spec.batch_generate(
+        model, tokenizer, PROMPTS, max_tokens=15, draft_model=draft, return_prompt_caches=True
+    ).caches
+    for mine, theirs in zip(got, want, strict=True):
+        for a, b in zip(mine, theirs, strict=True):
+            assert a.offset == b.offset
+            held = [np.array(c.keys[..., : c.offset, :]) for c in (a, b)]
+            np.testing.assert_allclose(*held, atol=1e-4)
+
+
+def _filled(lengths: list[int], fed: int) -> BatchKVCache:
+    """A batch cache whose row ``i`` holds ``lengths[i]`` values ``100 i + j``, then ``fed``
+    columns fed to every row (``100 i + lengths[i] + j``)."""
+    longest = max(lengths)
+    layer = BatchKVCache([longest - n for n in lengths])
+    values = [
+        [0.0] * (longest - n) + [100.0 * i + j for j in range(n)] for i, n in enumerate(lengths)
+    ]
+    layer.update_and_fetch(*[mx.array(values).reshape(len(lengths), 1, longest, 1)] * 2)
+    after = [[100.0 * i + n + j for j in range(fed)] for i, n in enumerate(lengths)]
+    layer.update_and_fetch(*[mx.array(after).reshape(len(lengths), 1, fed, 1)] * 2)
+    return layer
+
+
+@pytest.mark.parametrize("keep", [_mlx_lm._kept_in_place, _mlx_lm._kept_by_rows])
+def test_each_batch_cache_row_keeps_its_own_length(keep):
+    lengths, fed, kept = [5, 1, 3], 4, [1, 4, 0]
+    layer = keep(_filled(lengths, fed), fed, kept)
+    for i, (n, k) in enumerate(zip(lengths, kept, strict=True)):
+        row = layer.extract(i)
+        assert row.keys[0, 0, :, 0].tolist() == [100.0 * i + j for j in range(n + k)]
+    # The next column lands right after each row's kept values.
+    layer.update_and_fetch(*[mx.full((3, 1, 1, 1), -1.0)] * 2)
+    assert [layer.extract(i).keys[0, 0, -2:, 0].tolist()[-1] for i in range(3)] == [-1.0] * 3
+    assert layer.offset.tolist() == [n + k + 1 for n, k in zip(lengths, kept, strict=True)]
+
+
+def test_the_in_place_probe_holds_on_this_mlx_lm():
+    assert _mlx_lm.batch_rows_kept()
+    assert _mlx_lm.report()["batch cache rows taken back in place"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"prompts": []}, "`prompts`"),
+        ({"prompts": [[1, 2], []]}, "`prompts[1]`"),
+        ({"prompts": [[1, 300]]}, "`prompts[0]`"),
+        ({"drafter": None}, "`draft_model` and `drafter`"),
+        ({"drafter": "lookup"}, "`drafter`"),
+        ({"num_draft_tokens": -1}, "`num_draft_tokens`"),
+        ({"num_draft_tokens": [1, 2, 3]}, "`num_draft_tokens`"),
+        ({"max_tokens": 0}, "`max_tokens`"),
+        ({"sampler": mlx_lm.sample_utils.make_sampler(temp=0.7)}, "`sampler`"),
+        ({"prefill_step_size": 0}, "`prefill_step_size`"),
+        ({"return_token_ids": 1}, "`return_token_ids`"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_work(tokenizer, kwargs, named):
+    model = tiny_llama(0)
+    arguments = {"prompts": [[1, 2], [3]], "drafter": "prompt-lookup", **kwargs}
+    with pytest.raises(ValueError, match=r"mlx_spec\.batch_generate") as error:
+        mlx_spec.batch_generate(model, tokenizer, **arguments)
+    assert named in str(error.value)
+
+
+def test_models_whose_caches_do_not_batch_are_refused(tokenizer):
+    from tiny_models import tiny_gemma3
+
+    with pytest.raises(ValueError, match=r"`model` has caches of .*RotatingKVCache"):
+        mlx_spec.batch_generate(tiny_gemma3(0), tokenizer, [[1, 2]], drafter="prompt-lookup")
