@@ -1219,3 +1219,34 @@ def test_fuzz_generate_options_on_the_demo_pair(fuzz_dir, options):
     most three tokens (--max-tokens is not drawn), so that good values end soon too."""
     base = ["--model", TARGET, "--draft-model", DRAFT, "--prompt", "x", "--max-tokens", "3"]
     assert_clean_end(fuzz_run(fuzz_dir, "generate", *base, *options))
+
+
+# -- --acceptance ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rule", ["coupled", "residual"])
+def test_generate_samples_with_the_acceptance_rule_it_is_given(rule, monkeypatch):
+    from mlx_spec import generation
+
+    made = []
+
+    def recorded(*args, **kwargs):
+        made.append(kwargs.get("acceptance", args[1] if len(args) > 1 else None))
+        return make_rule(*args, **kwargs)
+
+    make_rule = generation.make_rule
+    monkeypatch.setattr(generation, "make_rule", recorded)
+    proc = generate("--temp", "1.0", "--max-tokens", "12", "--seed", "7", "--acceptance", rule)
+    assert proc.returncode == 0, proc.stderr
+    assert made == [rule] and SPECULATION.search(proc.stdout), proc.stdout
+
+
+def test_generate_offers_the_rules_the_library_has_and_refuses_others_in_one_line():
+    from mlx_spec.cli.generate import setup_arg_parser
+    from mlx_spec.rules import ACCEPTANCE
+
+    option = next(a for a in setup_arg_parser()._actions if a.dest == "acceptance")
+    assert tuple(option.choices) == tuple(ACCEPTANCE)
+    proc = generate("--acceptance", "greedy")
+    assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1
+    assert "--acceptance" in proc.stderr and "greedy" in proc.stderr

@@ -114,6 +114,18 @@ def setup_arg_parser() -> Parser:
         help="ask for --num-draft-tokens every round (mlx-lm's behaviour)",
     )
     parser.add_argument(
+        "--acceptance",
+        choices=("coupled", "residual"),
+        default="coupled",
+        help=(
+            "how a sampled draft token is kept: coupled, when the target's own draw at its "
+            "position (noise fixed by the seed and the position) equals it, so that the text is "
+            "mlx-lm's for the seed whatever the drafter and N; or residual, rejection sampling, "
+            "which keeps somewhat more of a draft model's tokens and gives other text for a seed "
+            "(default: coupled)"
+        ),
+    )
+    parser.add_argument(
         "--max-tokens",
         "-m",
         type=max_tokens,
@@ -387,6 +399,7 @@ def _generate(args: argparse.Namespace) -> int:
             sampler=sampler,
             num_draft_tokens=args.num_draft_tokens,
             adaptive=not args.fixed,
+            acceptance=args.acceptance,
             max_kv_size=args.max_kv_size,
             kv_bits=args.kv_bits,
             key=mx.random.key(key_seed),
