@@ -13,8 +13,12 @@ own draft length, which may be 0. A round then makes:
    (:func:`mlx_spec._mlx_lm.keep_rows`).
 
 A row emits its kept drafts and the target's token after them, cut at an EOS or at its
-``max_tokens`` as mlx-lm cuts it. Greedy acceptance keeps a draft token while it equals the
-target's argmax at its position, so every sequence's tokens are the target's greedy decoding.
+``max_tokens`` as mlx-lm cuts it. Each sequence has its own sampler, and with it its own rule
+(:mod:`mlx_spec.rules`): greedy keeps a draft token while it equals the target's argmax at its
+position; coupled, while it equals the target's draw with that position's state of the
+sequence's own key (:mod:`mlx_spec.keys`), which a draft model's draw at that position shares.
+A sequence's tokens are then what :func:`mlx_spec.speculative_generate_step` gives it alone
+with the same sampler and key, whatever the batch around it and the draft lengths.
 """
 
 from __future__ import annotations
@@ -33,12 +37,13 @@ from mlx_lm.generate_utils import BatchStats
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from . import _mlx_lm
-from ._checks import check_int, device_type, is_int
+from ._checks import check_callable, check_int, check_key, device_type, is_int
 from .acceptance import _argmax_rows, _compile_per_thread, _matching, check_next
 from .draft_length import MAX_DRAFT_TOKENS
 from .drafters import Drafter, DraftSetup, PromptLookupDrafter
+from .keys import KeyChain, set_global_state
 from .loop import Text, vocab_size
-from .rules import Rule
+from .rules import Rule, make_rule
 
 __all__ = ["SpeculativeBatch", "batch_generate", "decide"]
 
@@ -48,15 +53,22 @@ NO_DRAFT = 2**32 - 1
 Response = GenerationBatch.Response
 
 
+def _match_rows(
+    choice: mx.array, invalid: mx.array, drafts: mx.array, eos: mx.array | None
+) -> mx.array:
+    rows = mx.vmap(lambda c, i, d: _matching(c, i, d, eos))
+    return rows(choice, invalid, drafts)
+
+
 def _decide(logits: mx.array, drafts: mx.array, eos: mx.array | None) -> mx.array:
     b, w, v = logits.shape
     on_cpu = device_type(None) == mx.cpu
     choice, invalid = _argmax_rows(logits.reshape(b * w, v), on_cpu)
-    rows = mx.vmap(lambda c, i, d: _matching(c, i, d, eos))
-    return rows(choice.reshape(b, w), invalid.reshape(b, w), drafts)
+    return _match_rows(choice.reshape(b, w), invalid.reshape(b, w), drafts, eos)
 
 
 _decide_graph = _compile_per_thread(_decide)
+_match_rows_graph = _compile_per_thread(_match_rows)
 
 
 def decide(logits: mx.array, drafts: mx.array, eos: mx.array | None) -> mx.array:
@@ -75,6 +87,67 @@ def decide(logits: mx.array, drafts: mx.array, eos: mx.array | None) -> mx.array
     return _decide_graph(logits, drafts, eos)
 
 
+def _groups(rules: list[Rule]) -> list[tuple[Rule, list[int]]]:
+    """The rows of each distinct rule, in order of first appearance."""
+    rows: dict[Rule, list[int]] = {}
+    for i, rule in enumerate(rules):
+        rows.setdefault(rule, []).append(i)
+    return list(rows.items())
+
+
+def choices(
+    logits: mx.array,
+    rules: list[Rule],
+    states: list[mx.array | None],
+    *,
+    draft: bool = False,
+) -> tuple[mx.array, mx.array]:
+    """Each row's own tokens under its own rule (:meth:`mlx_spec.rules.Rule.choices`), the rows
+    that share a rule drawn together.
+
+    Args:
+        logits (array): ``[B, W, V]`` float logits, the target's or (``draft``) a drafter's.
+        rules (list of Rule): each row's rule, greedy or coupled.
+        states (list): each row's ``[W, 2]`` uint32 states (``None`` for greedy rows).
+        draft (bool): the logits are a drafter's. Default: ``False``.
+
+    Returns:
+        tuple: lazy ``[B, W]`` uint32 tokens and ``[B, W]`` bool rows that cannot decide.
+    """
+    b, w, v = logits.shape
+    on_cpu = device_type(None) == mx.cpu
+    tokens, invalid, order = [], [], []
+    for rule, rows in _groups(rules):
+        picked = logits if len(rows) == b else logits[mx.array(rows)]
+        keys = mx.concatenate([states[i] for i in rows]) if rule.random else None
+        chosen, bad = rule.choices(picked.reshape(-1, v), keys, on_cpu=on_cpu, draft=draft)
+        tokens.append(chosen.reshape(len(rows), w))
+        invalid.append(bad.reshape(len(rows), w))
+        order.extend(rows)
+    if len(tokens) == 1:
+        return tokens[0], invalid[0]
+    back = mx.array(np.argsort(order))
+    return mx.concatenate(tokens)[back], mx.concatenate(invalid)[back]
+
+
+def decide_drawn(
+    choice: mx.array, invalid: mx.array, drafts: mx.array, eos: mx.array | None
+) -> mx.array:
+    """:func:`decide` for tokens already chosen (:func:`choices`): each row keeps its drafts
+    while they equal its own tokens, unchecked.
+
+    Args:
+        choice (array): ``[B, N + 1]`` uint32, each row's token at each position.
+        invalid (array): ``[B, N + 1]`` bool, positions that cannot decide.
+        drafts (array): ``[B, N]`` uint32 drafts, :data:`NO_DRAFT` past a row's own.
+        eos (array, optional): ``[E]`` uint32 end-of-sequence ids; ``None`` for none.
+
+    Returns:
+        array: lazy ``[B, 3]`` uint32 ``[accepted, next, eos_hit]`` per row.
+    """
+    return _match_rows_graph(choice, invalid, drafts, eos)
+
+
 @dataclass
 class _Sequence:
     """One sequence of a batch.
@@ -85,6 +158,9 @@ class _Sequence:
         drafter (Drafter, optional): its own prompt lookup (``None`` with a draft model).
         draft_length (int): the most draft tokens a round.
         max_tokens (int): the tokens it may emit.
+        rule (Rule): how its tokens are drawn and verified (greedy or coupled).
+        keys (KeyChain, optional): the random state of each of its text positions (``None``
+            for greedy).
         lag (int): tokens before the text's last that the draft model's caches lack.
     """
 
@@ -93,11 +169,20 @@ class _Sequence:
     drafter: Drafter | None
     draft_length: int
     max_tokens: int
+    rule: Rule
+    keys: KeyChain | None
     lag: int = 0
 
     def budget(self) -> int:
         """The draft tokens a round may verify: a round emits at most that many and one more."""
         return max(0, min(self.draft_length, self.max_tokens - self.text.position - 1))
+
+    def states(self, n: int, *, draft: bool) -> mx.array | None:
+        """The keys of a round from here with ``n`` drafts (:meth:`Rule.keys`): ``[n, 2]`` for
+        the drafts, ``[n + 1, 2]`` for the verification; ``None`` for greedy."""
+        if self.keys is None:
+            return None
+        return self.rule.keys(self.keys, self.text.position, n, draft=draft)
 
 
 def _padded(rows: list[list[int]], width: int, fill: int) -> mx.array:
@@ -132,6 +217,11 @@ class SpeculativeBatch:
         draft_lengths (list of int): each sequence's most draft tokens a round, ``>= 0``.
         max_tokens (list of int): each sequence's tokens to emit, ``>= 1``.
         eos_token_ids (list of int): ids that end a sequence (emitted, finish reason ``"stop"``).
+        samplers (list, optional): each sequence's sampler (``None``: greedy); one that samples
+            takes the coupled rule. Default: all greedy.
+        keys (list, optional): each sequence's ``[2]`` uint32 key, its random state before its
+            first generated token (``None`` for a greedy one). Needed by every sequence that
+            samples.
         draft_model (nn.Module, optional): drafts for every sequence, run as a batch.
         drafter (Drafter, optional): a prompt lookup drafter; each sequence gets its own copy.
         prefill_step_size (int): prompt tokens per prefill call. Default: ``2048``.
@@ -146,6 +236,8 @@ class SpeculativeBatch:
         draft_lengths: list[int],
         max_tokens: list[int],
         eos_token_ids: list[int],
+        samplers: list[Any] | None = None,
+        keys: list[mx.array | None] | None = None,
         *,
         draft_model: nn.Module | None = None,
         drafter: Drafter | None = None,
@@ -158,12 +250,17 @@ class SpeculativeBatch:
         self.eos = set(eos_token_ids)
         self._eos = mx.array(eos_token_ids, dtype=mx.uint32) if eos_token_ids else None
         self.return_prompt_caches = return_prompt_caches
+        count = len(prompts)
+        rules = [make_rule(s, "coupled", self.vocab) for s in samplers or [None] * count]
         self.sequences = [
-            _sequence(uid, prompt, drafter, n, most)
-            for uid, (prompt, n, most) in enumerate(
-                zip(prompts, draft_lengths, max_tokens, strict=True)
+            _sequence(uid, prompt, drafter, n, most, rule, key)
+            for uid, (prompt, n, most, rule, key) in enumerate(
+                zip(prompts, draft_lengths, max_tokens, rules, keys or [None] * count, strict=True)
             )
         ]
+        # A sampler that exposes no distribution is called with mx.random's global state set
+        # to each position's (as single-sequence generation calls it); a round puts it back.
+        self._seeds = any(rule.seeds for rule in rules)
         self.cache = _prefill(model, prompts, prefill_step_size)
         self.draft_cache = (
             _prefill(draft_model, prompts, prefill_step_size) if draft_model is not None else []
@@ -184,28 +281,36 @@ class SpeculativeBatch:
             used = mx.array(np.arange(n)[None] < np.array(budgets)[:, None])
             return mx.where(used, drafts, NO_DRAFT).astype(mx.uint32)
         rows = [
-            s.drafter.propose(s.text, b, None).tokens.tolist() if b else []
+            s.drafter.propose(s.text, b, s.states(b, draft=True)).tokens.tolist() if b else []
             for s, b in zip(self.sequences, budgets, strict=True)
         ]
         return _padded(rows, max(len(r) for r in rows), NO_DRAFT)
 
     def _draft_with_model(self, n: int) -> mx.array:
-        """``[B, n]`` uint32: the draft model's greedy tokens after each row's text, lazy. Its
-        caches then hold each row's text and ``n - 1`` drafts, as if no row lagged."""
+        """``[B, n]`` uint32: the draft model's tokens after each row's text, lazy, each row's
+        drawn under its own rule with its own position's state. Its caches then hold each row's
+        text and ``n - 1`` drafts, as if no row lagged."""
         lags = [s.lag for s in self.sequences]
         width = max(lags) + 1
         rows = [s.text.ids(len(s.text) - s.lag - 1) for s in self.sequences]
         logits = self.draft_model(_padded(rows, width, 0), cache=self.draft_cache)
         at = mx.array(lags)[:, None, None]
-        tokens = [mx.argmax(mx.take_along_axis(logits, at, axis=1)[:, 0], axis=-1)]
+        rules = [s.rule for s in self.sequences]
+        states = [s.states(n, draft=True) for s in self.sequences]
+
+        def draw(last: mx.array, j: int) -> mx.array:
+            at_j = [None if k is None else k[j : j + 1] for k in states]
+            return choices(last, rules, at_j, draft=True)[0][:, 0]
+
+        tokens = [draw(mx.take_along_axis(logits, at, axis=1), 0)]
         self.draft_cache[:] = [
             _mlx_lm.keep_rows(layer, width, [lag + 1 for lag in lags]) for layer in self.draft_cache
         ]
         for s in self.sequences:
             s.lag = 0
-        for _ in range(n - 1):
+        for j in range(1, n):
             logits = self.draft_model(tokens[-1][:, None], cache=self.draft_cache)
-            tokens.append(mx.argmax(logits[:, -1], axis=-1))
+            tokens.append(draw(logits[:, -1:], j))
         return mx.stack(tokens, axis=1).astype(mx.uint32)
 
     def _inputs(self, drafts: mx.array) -> mx.array:
@@ -215,6 +320,14 @@ class SpeculativeBatch:
         last = mx.array([[s.text.ids(len(s.text) - 1)[0]] for s in self.sequences], mx.uint32)
         fed = mx.where(drafts >= self.vocab, last, drafts) if self.vocab else drafts
         return mx.concatenate([last, fed], axis=1)
+
+    def _decide(self, logits: mx.array, drafts: mx.array) -> mx.array:
+        """The round's lazy ``[B, 3]`` decisions, each row under its own rule."""
+        rules = [s.rule for s in self.sequences]
+        if not any(rule.random for rule in rules):
+            return decide(logits, drafts, self._eos)
+        states = [s.states(drafts.shape[1], draft=False) for s in self.sequences]
+        return decide_drawn(*choices(logits, rules, states), drafts, self._eos)
 
     def next(self) -> list[Response]:
         """Runs one round.
@@ -227,11 +340,14 @@ class SpeculativeBatch:
         """
         if not self.sequences:
             return []
+        saved = mx.random.state[0] if self._seeds else None
         drafts = self._proposals()
         logits = self.model(self._inputs(drafts), cache=self.cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        decided = decide(logits, drafts, self._eos)
+        decided = self._decide(logits, drafts)
         read = np.array(mx.concatenate([decided, drafts], axis=1))
+        if saved is not None:
+            set_global_state(saved)
         self.rounds += 1
         width = drafts.shape[1] + 1
         kept = []
@@ -295,15 +411,23 @@ class SpeculativeBatch:
 
 
 def _sequence(
-    uid: int, prompt: list[int], drafter: Drafter | None, draft_length: int, max_tokens: int
+    uid: int,
+    prompt: list[int],
+    drafter: Drafter | None,
+    draft_length: int,
+    max_tokens: int,
+    rule: Rule,
+    key: mx.array | None,
 ) -> _Sequence:
-    """A sequence with its own copy of ``drafter``, started on its prompt."""
+    """A sequence with its own copy of ``drafter``, started on its prompt, and the chain of
+    its key where its rule samples."""
     text = Text(mx.array(prompt, dtype=mx.uint32), list(prompt))
     mine = None
     if drafter is not None:
         mine = copy.deepcopy(drafter)
-        mine.start(text, DraftSetup(Rule("greedy")))
-    return _Sequence(uid, text, mine, draft_length, max_tokens)
+        mine.start(text, DraftSetup(rule))
+    chain = KeyChain(key, rule.steps) if rule.random else None
+    return _Sequence(uid, text, mine, draft_length, max_tokens, rule, chain)
 
 
 def _per_prompt(
@@ -372,6 +496,44 @@ def _check_drafter(op: str, draft_model: object, drafter: object) -> Drafter | N
     )
 
 
+def _check_samplers(op: str, sampler: object, count: int) -> list[Any]:
+    """A sampler (or ``None``, greedy) for every prompt, from one or a list of ``count``."""
+    listed = isinstance(sampler, (list, tuple))
+    samplers = list(sampler) if listed else [sampler] * count
+    if len(samplers) != count:
+        raise ValueError(
+            f"{op}: `sampler` must be a sampler or a list of one per prompt ({count}), got a "
+            f"list of {len(samplers)}"
+        )
+    for i, one in enumerate(samplers):
+        check_callable(op, f"sampler[{i}]" if listed else "sampler", one)
+    return samplers
+
+
+def _check_keys(op: str, keys: object, rules: list[Rule]) -> list[mx.array | None]:
+    """Each sequence's key: the given ones, or for every sequence that samples a key drawn from
+    ``mx.random``'s global state (one draw for the batch, as ``mx.random.seed`` reproduces)."""
+    if keys is None:
+        if not any(rule.random for rule in rules):
+            return [None] * len(rules)
+        # The key a draw would take, as mx.random's key sequence hands it out, split in one a row.
+        following, key = mx.random.split(mx.random.state[0])
+        set_global_state(following)
+        drawn = mx.random.split(key, len(rules))
+        return [drawn[i] if rule.random else None for i, rule in enumerate(rules)]
+    if not isinstance(keys, (list, tuple)) or len(keys) != len(rules):
+        raise ValueError(
+            f"{op}: `keys` must be None or a list of one key per prompt ({len(rules)}), got "
+            f"{keys!r}"
+        )
+    checked = []
+    for i, (key, rule) in enumerate(zip(keys, rules, strict=True)):
+        if key is None and rule.random:
+            raise ValueError(f"{op}: `keys[{i}]` is None, but sequence {i} samples")
+        checked.append(None if key is None else check_key(f"{op}: `keys[{i}]`", key))
+    return checked
+
+
 def batch_generate(
     model: nn.Module,
     tokenizer: Any,
@@ -382,6 +544,8 @@ def batch_generate(
     num_draft_tokens: int | Sequence[int] = 3,
     max_tokens: int | Sequence[int] = 128,
     sampler: Any = None,
+    keys: Sequence[mx.array | None] | None = None,
+    acceptance: str = "coupled",
     prefill_step_size: int = 2048,
     verbose: bool = False,
     return_prompt_caches: bool = False,
@@ -391,8 +555,11 @@ def batch_generate(
     """Speculative decoding of many prompts at once: a drop-in for ``mlx_lm.batch_generate``.
 
     The prompts are decoded together (:class:`SpeculativeBatch`), each round one target call
-    over every sequence's last token and drafts. Acceptance is greedy: every sequence's tokens
-    are the target's greedy decoding, those mlx-lm's ``batch_generate`` gives the same prompts.
+    over every sequence's last token and drafts. Each sequence has its own sampler and key. A
+    greedy one's tokens are the target's greedy decoding, those mlx-lm's ``batch_generate``
+    gives the same prompts. One that samples takes the coupled rule (:mod:`mlx_spec.rules`): its
+    text is what :func:`mlx_spec.generate` gives its prompt alone with the same sampler and key,
+    whatever the batch, the drafter and the draft lengths.
 
     Args:
         model (nn.Module): the target model; its caches must all be ``KVCache`` (no sliding
@@ -411,7 +578,16 @@ def batch_generate(
             does not draft). Default: ``3``.
         max_tokens (int or list of int): tokens to generate, ``>= 1``, for all prompts or one
             per prompt. Default: ``128``.
-        sampler (callable, optional): only ``None`` or a greedy sampler for now.
+        sampler (callable or list, optional): a sampler for every prompt, or a list of one per
+            prompt (``None``: greedy), mapping ``[..., V]`` log-probabilities to tokens, as
+            ``mlx_lm.sample_utils.make_sampler`` or :func:`mlx_spec.make_sampler` makes them.
+            Default: greedy.
+        keys (list of array, optional): one ``[2]`` uint32 key per prompt (``mx.random.key``),
+            the random state before the sequence's first generated token (``None`` for a greedy
+            one). Default: one drawn for each sampled sequence from ``mx.random``'s global
+            state, so ``mx.random.seed`` reproduces the batch.
+        acceptance (str): ``"coupled"``, the only rule batches take for now. Default:
+            ``"coupled"``.
         prefill_step_size (int): prompt tokens per prefill call, ``>= 1``. Default: ``2048``.
         verbose (bool): print the statistics at the end. Default: ``False``.
         return_prompt_caches (bool): return each sequence's target caches, holding its prompt
@@ -427,7 +603,8 @@ def batch_generate(
 
     Raises:
         ValueError: an argument is of the wrong type or out of range, a model's caches do not
-            batch, or a sampler samples; the message names the argument. Raised before any work.
+            batch, or ``acceptance`` is not ``"coupled"``; the message names the argument.
+            Raised before any work.
     """
     op = "mlx_spec.batch_generate"
     _check_batchable(op, "model", model)
@@ -435,10 +612,13 @@ def batch_generate(
     ids = _check_prompts(op, prompts, vocab_size(model))
     lengths = _per_prompt(op, "num_draft_tokens", num_draft_tokens, len(ids), 0, MAX_DRAFT_TOKENS)
     most = _per_prompt(op, "max_tokens", max_tokens, len(ids), 1, None)
-    if sampler is not None and not (
-        _mlx_lm.is_greedy_sampler(sampler) or getattr(sampler, "greedy", False)
-    ):
-        raise ValueError(f"{op}: `sampler` must be None or greedy for now, got {sampler!r}")
+    samplers = _check_samplers(op, sampler, len(ids))
+    if acceptance != "coupled":
+        raise ValueError(
+            f"{op}: `acceptance` must be 'coupled' (the residual rule does not batch yet), got "
+            f"{acceptance!r}"
+        )
+    rules = [make_rule(s, acceptance, vocab_size(model)) for s in samplers]
     check_int(op, "prefill_step_size", prefill_step_size, 1)
     for name, flag in (
         ("verbose", verbose),
@@ -448,6 +628,7 @@ def batch_generate(
     ):
         if not isinstance(flag, bool):
             raise ValueError(f"{op}: `{name}` must be a bool, got {flag!r}")
+    chosen = _check_keys(op, keys, rules)
     stats = BatchStats()
     start = time.perf_counter()
     with mx.stream(_mlx_lm.lm.generation_stream):
@@ -457,6 +638,8 @@ def batch_generate(
             lengths,
             most,
             list(tokenizer.eos_token_ids),
+            samplers,
+            chosen,
             draft_model=draft_model,
             drafter=copied,
             prefill_step_size=prefill_step_size,

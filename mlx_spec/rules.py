@@ -36,6 +36,7 @@ import mlx.core as mx
 from . import _mlx_lm, kernels
 from ._checks import INVALID_ROW
 from .acceptance import (
+    _argmax_rows,
     _compile_per_thread,
     greedy_decision,
     greedy_token,
@@ -206,6 +207,40 @@ class Rule:
             return sampled_decision(probs, draft, q, eos, keys, fused=fused), logprobs
         tokens = self._coupled(logprobs, keys)
         return matching_decision(tokens, _undecided(logprobs), draft, eos), logprobs
+
+    def choices(
+        self, logits: mx.array, keys: mx.array | None, *, on_cpu: bool, draft: bool = False
+    ) -> tuple[mx.array, mx.array]:
+        """The token this rule takes at each row on its own, before any draft is compared with
+        it: what :meth:`decide` keeps draft tokens against (the target's rows), or what
+        :meth:`draw` drafts (``draft=True``). A batch draws so for all its sequences that share
+        a rule at once, each row with its own position's state.
+
+        Args:
+            logits (array): ``[k, V]`` float logits, the target's, or a drafter's with
+                ``draft`` (drawn over the target's ids, as :meth:`draw` draws them).
+            keys (array, optional): ``[k, 2]`` uint32, each row's state from :meth:`keys`;
+                unused by greedy.
+            on_cpu (bool): whether the default stream is on a CPU.
+            draft (bool): the rows are a drafter's. Default: ``False``.
+
+        Returns:
+            tuple: the lazy ``[k]`` uint32 tokens and ``[k]`` bool rows that cannot decide.
+
+        Raises:
+            ValueError: the rule is ``"residual"``, whose target has no token of its own a row.
+        """
+        if self.kind == "residual":
+            raise ValueError(
+                "Rule.choices: the residual rule draws no token of its own per row, got kind "
+                "'residual'"
+            )
+        if self.kind == "greedy":
+            return _argmax_rows(logits, on_cpu)
+        if draft and self.vocab is not None:
+            logits = _fit_vocab(logits, self.vocab, -mx.inf)
+        logprobs = _logprobs(logits)
+        return self._coupled(logprobs, keys), _undecided(logprobs)
 
     def step(
         self, logits: mx.array, key: mx.array | None, *, on_cpu: bool

@@ -1,7 +1,9 @@
 """Batched speculative decoding (``mlx_spec.batch``) against mlx-lm's own batched generation.
 
 At temperature 0 every sequence's tokens must be those mlx-lm's ``batch_generate`` gives the same
-prompts in the same batch, whatever the drafter, the draft lengths, or where a sequence ends.
+prompts in the same batch, whatever the drafter, the draft lengths, or where a sequence ends. A
+sampled sequence's tokens must be those single-sequence generation gives it alone with the same
+sampler and key (``tests/test_batch_distribution.py`` tests their distribution).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from tiny_models import cut, tiny_llama, tiny_qwen2
 
 import mlx_spec
 from mlx_spec import _mlx_lm
+from mlx_spec.generation import speculative_generate_step
+from mlx_spec.keys import seed_of
 
 # Very different lengths: a repeated phrase (prompt lookup finds it), a single token, a short
 # repetition and a long one.
@@ -117,6 +121,86 @@ def test_prompt_caches_hold_the_prompt_and_every_token(pair, tokenizer):
             np.testing.assert_allclose(*held, atol=1e-4)
 
 
+# A greedy sequence among sampled ones at three temperatures, with filters, and mlx-lm's own
+# sampler, which exposes no distribution (drawn with mx.random's global state set per position).
+SAMPLERS = [
+    mlx_spec.make_sampler(temp=0.8),
+    None,
+    mlx_spec.make_sampler(temp=1.0, top_p=0.9, top_k=40),
+    mlx_lm.sample_utils.make_sampler(temp=0.6, min_p=0.05),
+]
+KEYS = [mx.random.key(11), None, mx.random.key(12), mx.random.key(13)]
+
+
+def alone(model, draft, drafter, prompt, sampler, key, max_tokens):
+    """The tokens single-sequence speculative generation gives ``prompt`` with ``key``."""
+    steps = speculative_generate_step(
+        mx.array(prompt),
+        model,
+        draft,
+        drafter=drafter,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        key=key,
+        num_draft_tokens=2,
+    )
+    return [token for token, _, _ in steps]
+
+
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "draft-model"])
+def test_each_sampled_sequence_is_its_generation_alone_with_its_key(pair, tokenizer, drafter):
+    model, draft = pair
+    kwargs = {"drafter": drafter} if drafter == "prompt-lookup" else {"draft_model": draft}
+    got = speculative(
+        model, tokenizer, PROMPTS, 30, sampler=SAMPLERS, keys=KEYS,
+        num_draft_tokens=[3, 2, 4, 1], **kwargs,
+    )  # fmt: skip
+    for i, (prompt, sampler, key) in enumerate(zip(PROMPTS, SAMPLERS, KEYS, strict=True)):
+        single = alone(model, kwargs.get("draft_model"), kwargs.get("drafter"), prompt, sampler,
+                       key, 30)  # fmt: skip
+        assert got.token_ids[i] == single, i
+
+
+def test_a_sequence_drafting_more_or_less_draws_the_same_text(tokenizer):
+    """The same prompt and key twice in one batch, drafting 0 and 5 tokens a round (the draft
+    model is the target itself, so the drafting row keeps many): one text."""
+    model = tiny_llama(0)
+    sampler = mlx_spec.make_sampler(temp=1.0)
+    got = speculative(
+        model, tokenizer, [PROMPTS[0]] * 2, 24, draft_model=model, num_draft_tokens=[0, 5],
+        sampler=sampler, keys=[mx.random.key(3)] * 2,
+    )  # fmt: skip
+    assert got.token_ids[0] == got.token_ids[1]
+    assert got.stats.generation_steps == 24  # the row that drafts none sets the pace
+
+
+def test_default_keys_come_from_the_global_seed(tokenizer):
+    model = tiny_llama(0)
+    sampler = mlx_spec.make_sampler(temp=1.0)
+
+    def run():
+        mx.random.seed(5)
+        return speculative(
+            model, tokenizer, [PROMPTS[1]] * 2, 12, drafter="prompt-lookup", sampler=sampler
+        ).token_ids
+
+    first = run()
+    assert run() == first
+    assert first[0] != first[1]  # each sequence its own key
+
+
+def test_given_keys_leave_the_global_state_as_it_was(tokenizer):
+    """mlx-lm's sampler is called with the global state set to each position's; it is put back."""
+    model = tiny_llama(0)
+    mx.random.seed(9)
+    before = seed_of(mx.random.state[0])
+    speculative(
+        model, tokenizer, PROMPTS[:2], 8, drafter="prompt-lookup", sampler=SAMPLERS[3],
+        keys=KEYS[2:],
+    )  # fmt: skip
+    assert seed_of(mx.random.state[0]) == before
+
+
 def _filled(lengths: list[int], fed: int) -> BatchKVCache:
     """A batch cache whose row ``i`` holds ``lengths[i]`` values ``100 i + j``, then ``fed``
     columns fed to every row (``100 i + lengths[i] + j``)."""
@@ -160,7 +244,12 @@ def test_the_in_place_probe_holds_on_this_mlx_lm():
         ({"num_draft_tokens": -1}, "`num_draft_tokens`"),
         ({"num_draft_tokens": [1, 2, 3]}, "`num_draft_tokens`"),
         ({"max_tokens": 0}, "`max_tokens`"),
-        ({"sampler": mlx_lm.sample_utils.make_sampler(temp=0.7)}, "`sampler`"),
+        ({"sampler": [None]}, "`sampler`"),
+        ({"sampler": [None, 3]}, "`sampler[1]`"),
+        ({"sampler": SAMPLERS[0], "keys": [mx.random.key(1)]}, "`keys`"),
+        ({"sampler": SAMPLERS[:2], "keys": [None, None]}, "`keys[0]`"),
+        ({"sampler": SAMPLERS[0], "keys": [mx.random.key(1), mx.array([1, 2])]}, "`keys[1]`"),
+        ({"acceptance": "residual"}, "`acceptance`"),
         ({"prefill_step_size": 0}, "`prefill_step_size`"),
         ({"return_token_ids": 1}, "`return_token_ids`"),
     ],
