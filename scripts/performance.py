@@ -10,7 +10,8 @@ pair, under the command that made it. Older results stay in git's history of the
 ``docs/results/index.json`` lists the machines in page order. Each has a ``platform`` (its
 heading), an optional ``note`` and its ``results``; each result has a ``title`` (its heading,
 unique on the page), a ``file``, the ``command`` that made it, an optional ``note`` and, for
-``benchmarks/distributed.py``'s rows, ``"kind": "distributed"``. A note says what its table
+``benchmarks/distributed.py``'s rows, ``"kind": "distributed"`` (``benchmarks/batched.py``'s:
+``"kind": "batched"``). A note says what its table
 shows and why; the page quotes no dates, commits or machine paths.
 
 Result files are named by machine, benchmark and pair (``gpu/generation-demo.json``), never by
@@ -39,6 +40,7 @@ RESULTS = ROOT / "docs" / "results"
 OUT = ROOT / "docs" / "performance.md"
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+import batched  # noqa: E402
 from distributed import speedups  # noqa: E402
 from generation import replay_table  # noqa: E402
 
@@ -153,6 +155,18 @@ def _distributed(data: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
+def _batched(data: dict[str, Any]) -> str:
+    s = data["settings"]
+    return (
+        f"Temperature {s['temp']}, N = {s['draft_tokens']}, median of {s['passes']} passes:\n\n"
+        + batched.table(batched.summarize(data["rows"]))
+    )
+
+
+#: The table of each result ``kind`` (the generation table where it has none).
+KINDS = {"distributed": _distributed, "batched": _batched}
+
+
 def section(entry: dict[str, Any]) -> str:
     """One result: its title, command, machine, note and table.
 
@@ -168,8 +182,7 @@ def section(entry: dict[str, Any]) -> str:
     if path.suffix == ".json":
         data = json.loads(path.read_text(encoding="utf-8"))
         facts = f"{_machine(data['machine'])}; {_settings(data)}. {facts}"
-        kind = _distributed if entry.get("kind") == "distributed" else _generation
-        body = kind(data)
+        body = KINDS.get(entry.get("kind"), _generation)(data)
     else:
         # A printed table's title line ("# ...") is a caption here, not a heading.
         text = RECORD.sub("", path.read_text(encoding="utf-8")).strip()
