@@ -26,6 +26,7 @@ Drafters draw their tokens through :meth:`Rule.draw` and the loop verifies throu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -310,16 +311,22 @@ def _coupled_step_graph(sampler: Any) -> Callable[..., tuple[mx.array, mx.array,
     return _compile_per_thread(step)
 
 
-def _keys_per_call(sampler: Sampler) -> int:
+#: The probe row's width where the vocabulary is not known: wider than any top-k one would use.
+_PROBE_WIDTH = 2**17
+
+
+def _keys_per_call(sampler: Sampler, vocab: int | None) -> int:
     """How many keys of ``mx.random``'s sequence one call of ``sampler`` draws (mlx-lm's
-    categorical draws one; with XTC, two): found by calling it once on a tiny row, ``mx.random``'s
+    categorical draws one; with XTC, two): found by calling it once on a uniform row as wide as
+    the vocabulary (mlx-lm's top-k refuses a ``k`` not below the row's width), ``mx.random``'s
     state put back after. ``1`` where none of one to four matches (a sampler with keys of its
     own): the text is then still reproducible, but not mlx-lm's."""
+    width = vocab or _PROBE_WIDTH
     saved = mx.random.state[0]
     probe = mx.random.key(0)
     try:
         set_global_state(probe)
-        sampler(mx.log(mx.array([[0.25, 0.25, 0.25, 0.25]])))
+        sampler(mx.full((1, width), -math.log(width)))
         after = mx.random.state[0]
         state = probe
         for steps in range(1, 5):
@@ -362,5 +369,5 @@ def make_rule(sampler: Any, acceptance: str = "coupled", vocab: int | None = Non
                 f"{type(sampler).__name__}"
             )
         return Rule("residual", sampler, vocab=vocab)
-    steps = 1 if _draws_categorical(sampler) else _keys_per_call(sampler)
+    steps = 1 if _draws_categorical(sampler) else _keys_per_call(sampler, vocab)
     return Rule("coupled", sampler, steps, vocab)

@@ -140,10 +140,12 @@ def test_a_seed_gives_the_text_of_mlx_lms_plain_sampling(target, drafts, name) -
 
 def test_mlx_lms_own_samplers_give_its_text_too(target, drafts) -> None:
     # mlx-lm's samplers expose no distribution; each position calls them with its state, also
-    # XTC's, which draws two keys a token.
+    # XTC's, which draws two keys a token. Its top-k refuses a k not below the row's width: the
+    # rule's probe of how many keys a call draws must not trip on it.
     for sampler in (
         dict(temp=0.8),
         dict(temp=0.8, xtc_probability=0.5, xtc_threshold=0.05),
+        dict(temp=0.8, top_k=8, xtc_probability=0.5, xtc_threshold=0.05),
     ):
         reference = plain_mlx_lm(target, PROMPT, 9, 80, **sampler)
         tokens = sampled(
