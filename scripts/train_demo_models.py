@@ -12,7 +12,11 @@ One command, reproducible (fixed seeds, sorted file order, a fixed held-out spli
    into ``<out>/target`` only, since the draft must share them
    (``scripts/convert_demo_models.py`` copies them beside the converted draft and writes the
    shard index back). With the shipped sizes that is 8 files in all;
-5. prints and writes ``<out>/train_report.json``.
+5. with ``--mtp``, trains an MTP head for the target (target frozen; see "the MTP head" below)
+   into ``<out>/mtp-head.safetensors``, which ``scripts/convert_demo_models.py`` ships as the
+   target's ``mtp.safetensors``; ``--target-from DIR`` trains only that head, for a target
+   already trained (the shipped one, say), and adds its section to the report beside ``DIR``;
+6. prints and writes ``<out>/train_report.json``.
 
 It needs only torch, transformers, tokenizers, safetensors and the standard library. The corpus
 lives in ``scripts/demo_corpus.py`` (standard library only), which the conversion script also
@@ -22,6 +26,8 @@ Example (one GPU, about seven minutes)::
 
     python3 scripts/train_demo_models.py --out /tmp/demo --device cuda --time-budget-s 360
     python3 scripts/train_demo_models.py --out /tmp/demo-quick --device cpu --quick
+    python3 scripts/train_demo_models.py --out /tmp/demo-mtp --target-from mlx_spec/demo/target \
+        --mtp-time-budget-s 1380 --threads 2
 """
 
 from __future__ import annotations
@@ -56,6 +62,21 @@ class Arch:
 
 
 @dataclass(frozen=True)
+class MTPRecipe:
+    """How the target's MTP head is trained (the target frozen)."""
+
+    depths: int  # draft steps trained together, the head chained on its own output
+    depth_weights: tuple[float, ...]  # each step's share of the loss
+    seq_len: int  # head positions per window; a window holds seq_len + depths tokens
+    batch: int
+    steps: int
+    warmup: int
+    lr: float
+    eval_windows: int
+    eval_every: int
+
+
+@dataclass(frozen=True)
 class Recipe:
     """Everything that sizes a run; ``FULL`` ships, ``QUICK`` is a smoke test."""
 
@@ -76,6 +97,7 @@ class Recipe:
     new_tokens: int
     max_train_bytes: int | None
     max_heldout_bytes: int | None
+    mtp: MTPRecipe
 
 
 # Sizes: a draft pass much cheaper than a target pass, so that speculation can pay on a CPU, and
@@ -98,6 +120,18 @@ FULL = Recipe(
     new_tokens=64,
     max_train_bytes=None,
     max_heldout_bytes=None,
+    # Sized for CPU training: the target's forward pass is most of a step's cost.
+    mtp=MTPRecipe(
+        depths=2,
+        depth_weights=(1.0, 0.5),
+        seq_len=256,
+        batch=16,
+        steps=3000,
+        warmup=30,
+        lr=1e-3,
+        eval_windows=16,
+        eval_every=50,
+    ),
 )
 
 QUICK = Recipe(
@@ -118,6 +152,17 @@ QUICK = Recipe(
     new_tokens=16,
     max_train_bytes=1_500_000,
     max_heldout_bytes=200_000,
+    mtp=MTPRecipe(
+        depths=2,
+        depth_weights=(1.0, 0.5),
+        seq_len=32,
+        batch=4,
+        steps=60,
+        warmup=25,
+        lr=2e-3,
+        eval_windows=4,
+        eval_every=20,
+    ),
 )
 
 
@@ -350,6 +395,7 @@ class Trainer:
         loss_fn: Any,
         heldout_fn: Any,
         seed_offset: int,
+        recipe: Recipe | None = None,
     ) -> RunInfo:
         """Train ``model`` on random windows of ``data``.
 
@@ -371,6 +417,8 @@ class Trainer:
                 steps and at the end; the weights with the lowest value are kept (early
                 stopping: the corpus is small enough to memorise).
             seed_offset (int): makes this run's batch stream differ from the other's.
+            recipe (Recipe, optional): the batch, window, warm-up and evaluation sizes of this
+                run. Default: the trainer's.
 
         Returns:
             RunInfo: steps run, timings, the mean training loss of the last steps, and the step
@@ -380,7 +428,7 @@ class Trainer:
 
         import torch
 
-        r = self.recipe
+        r = recipe or self.recipe
         gen = torch.Generator().manual_seed(self.seed + seed_offset)
         opt = make_optimizer(model, peak_lr, fused=self.device == "cuda")
         model.train()
@@ -522,6 +570,291 @@ def weights_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("model*.safetensors"))
 
 
+# --- the MTP head ---------------------------------------------------------------------------
+#
+# A Qwen-layout MTP head (``mtp.fc``, ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``,
+# ``mtp.layers.0.*``, ``mtp.norm``) whose layer is a llama decoder layer of the target's sizes, as
+# ``mlx_spec.mtp.MTPHead`` runs it: step ``d`` (from 1) at text position ``t`` joins the
+# normalized embedding of token ``t + d`` with the normalized state it starts from (the target's
+# final hidden state ``h_t`` for ``d = 1``, the head's own output after its final norm for later
+# steps), projects them back to the hidden size, runs the layer and the final norm, and predicts
+# token ``t + d + 1`` through the target's tied LM head. Training reproduces the attention of
+# drafting: the head's cache holds a step-1 entry for every position the target verified, so step
+# ``d`` at ``t`` attends to the step-1 entries of positions ``<= t`` and to its own chain's entries
+# of steps ``2..d``, at rotary positions ``t + d - 1``.
+
+
+def make_mtp_head(target: Any) -> Any:
+    """A torch MTP head for a ``LlamaForCausalLM`` target, started from the target's own weights.
+
+    Its layer starts as a copy of the target's last layer, its final norm as the target's, and
+    the projection as the sum of the two normalized inputs: a head that, before training, runs
+    one more target layer on its inputs.
+
+    Args:
+        target (transformers.LlamaForCausalLM): the trained target (float32 weights).
+
+    Returns:
+        torch.nn.Module: parameters named as the Qwen layout names them, less the ``mtp.``
+        prefix (``fc.weight``, ``layers.0.self_attn.q_proj.weight``, ...).
+    """
+    import copy
+
+    import torch
+
+    config = target.config
+    hidden, eps = config.hidden_size, config.rms_norm_eps
+
+    class Head(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
+            self.pre_fc_norm_embedding = torch.nn.RMSNorm(hidden, eps=eps)
+            self.pre_fc_norm_hidden = torch.nn.RMSNorm(hidden, eps=eps)
+            self.layers = torch.nn.ModuleList([copy.deepcopy(target.model.layers[-1])])
+            self.norm = copy.deepcopy(target.model.norm)
+
+    head = Head()
+    with torch.no_grad():
+        eye = torch.eye(hidden)
+        head.fc.weight.copy_(torch.cat([eye, eye], dim=1))
+    for p in head.parameters():
+        p.requires_grad_(True)
+    return head
+
+
+def rotary(positions: Any, head_dim: int, theta: float) -> tuple[Any, Any]:
+    """``cos, sin`` of llama's rotary embedding (halves rotated, as mlx-lm's non-traditional
+    ``nn.RoPE``), each ``[S, head_dim]`` float32 for ``[S]`` int64 ``positions``."""
+    import torch
+
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    freqs = positions.float()[:, None] * inv[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate(x: Any, cos: Any, sin: Any) -> Any:
+    """``x`` ``[B, heads, S, D]`` rotated by ``cos, sin`` ``[S, D]``."""
+    import torch
+
+    half = x.shape[-1] // 2
+    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + turned * sin
+
+
+def mtp_steps(head: Any, target: Any, hidden: Any, tokens: Any, depths: int) -> list[Any]:
+    """The head's logits at each of ``depths`` chained steps, for every position of a window.
+
+    Args:
+        head (torch.nn.Module): from :func:`make_mtp_head`.
+        target (transformers.LlamaForCausalLM): the frozen target (its embedding and config).
+        hidden (torch.Tensor): ``[B, S, H]`` float32, the target's final hidden states (after its
+            final norm) at positions ``0..S-1``.
+        tokens (torch.Tensor): ``[B, S + depths]`` int64, the window's tokens.
+        depths (int): chained steps, ``>= 1``.
+
+    Returns:
+        list[torch.Tensor]: for step ``d`` (from 1), ``[B, S, V]`` float32 logits of the token at
+        ``t + d + 1`` for each position ``t``.
+    """
+    import torch
+
+    config = target.config
+    layer = head.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = config.head_dim
+    theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    embed = target.model.embed_tokens.weight
+    batch, seq, _ = hidden.shape
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+
+    def split_heads(x: Any, n: int) -> Any:
+        return x.view(batch, seq, n, head_dim).transpose(1, 2)
+
+    def widen(x: Any) -> Any:  # grouped-query attention: each KV head serves consecutive heads
+        return x.repeat_interleave(heads // kv_heads, dim=1)
+
+    first_k = first_v = None
+    chain_k: list[Any] = []
+    chain_v: list[Any] = []
+    state, out_logits = hidden, []
+    for d in range(1, depths + 1):
+        e = torch.nn.functional.embedding(tokens[:, d : d + seq], embed)
+        x = head.fc(
+            torch.cat([head.pre_fc_norm_embedding(e), head.pre_fc_norm_hidden(state)], dim=-1)
+        )
+        a = layer.input_layernorm(x)
+        cos, sin = rotary(torch.arange(seq) + d - 1, head_dim, theta)
+        q = rotate(split_heads(attn.q_proj(a), heads), cos, sin)
+        k = widen(rotate(split_heads(attn.k_proj(a), kv_heads), cos, sin))
+        v = widen(split_heads(attn.v_proj(a), kv_heads))
+        scale = head_dim**-0.5
+        if d == 1:
+            first_k, first_v = k, v
+        else:
+            chain_k.append(k)
+            chain_v.append(v)
+        scores = (q @ first_k.transpose(-1, -2)) * scale
+        scores = scores.masked_fill(~causal, float("-inf"))
+        own = [(q * ck).sum(-1, keepdim=True) * scale for ck in chain_k]
+        weights = torch.softmax(torch.cat([scores, *own], dim=-1), dim=-1)
+        mixed = weights[..., :seq] @ first_v
+        for i, cv in enumerate(chain_v):
+            mixed = mixed + weights[..., seq + i : seq + i + 1] * cv
+        x = x + attn.o_proj(mixed.transpose(1, 2).reshape(batch, seq, heads * head_dim))
+        x = x + mlp(layer.post_attention_layernorm(x))
+        state = head.norm(x)
+        out_logits.append((state @ embed.T).float())
+    return out_logits
+
+
+def mtp_loss_terms(head: Any, target: Any, window: Any, depths: int) -> tuple[list[Any], list[Any]]:
+    """Per step, ``KL(target || head)`` and the argmax agreement, on one batch of windows.
+
+    Step ``d`` at position ``t`` is compared with the target's distribution at ``t + d``: the
+    target's prediction of the token the head predicts.
+
+    Args:
+        head (torch.nn.Module): from :func:`make_mtp_head`.
+        target (transformers.LlamaForCausalLM): the frozen target.
+        window (torch.Tensor): ``[B, S + depths]`` int64 tokens.
+        depths (int): chained steps.
+
+    Returns:
+        tuple: ``depths`` scalar KL tensors (nats per position, with gradients) and ``depths``
+        scalar agreement tensors (fractions, no gradients).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    seq = window.shape[1] - depths
+    with torch.no_grad():
+        states = target.model(input_ids=window, use_cache=False).last_hidden_state
+        teacher = F.log_softmax(target.lm_head(states).float(), dim=-1)
+    steps = mtp_steps(head, target, states[:, :seq], window, depths)
+    kls, agree = [], []
+    for d, logits in enumerate(steps, start=1):
+        want = teacher[:, d : d + seq]
+        student = F.log_softmax(logits, dim=-1)
+        kls.append(
+            F.kl_div(
+                student.flatten(0, 1), want.flatten(0, 1), log_target=True, reduction="batchmean"
+            )
+        )
+        agree.append((logits.argmax(-1) == want.argmax(-1)).float().mean().detach())
+    return kls, agree
+
+
+def save_mtp_head(head: Any, file: Path) -> int:
+    """Save ``head``'s weights, float32, under the Qwen layout's names (``mtp.fc.weight``, ...),
+    which ``scripts/convert_demo_models.py`` turns into the shipped ``mtp.safetensors``.
+
+    Args:
+        head (torch.nn.Module): from :func:`make_mtp_head`.
+        file (Path): the ``.safetensors`` file to write.
+
+    Returns:
+        int: the file's size in bytes.
+    """
+    from safetensors.torch import save_file
+
+    weights = {f"mtp.{k}": v.detach().float().contiguous() for k, v in head.state_dict().items()}
+    save_file(weights, str(file), metadata={"layout": "qwen", "layers": "1"})
+    return file.stat().st_size
+
+
+def train_mtp(
+    trainer: Trainer,
+    target: Any,
+    train_data: Any,
+    heldout_data: Any,
+    steps: int | None,
+    budget_s: float | None,
+    out: Path,
+) -> dict[str, Any]:
+    """Train the MTP head of the frozen ``target`` by distillation and save it.
+
+    Args:
+        trainer (Trainer): the run's trainer; its recipe's ``mtp`` sizes the run.
+        target (transformers.LlamaForCausalLM): the trained target, float32, frozen here.
+        train_data (torch.Tensor): ``[T]`` int64 training stream.
+        heldout_data (torch.Tensor): ``[T']`` int64 held-out stream.
+        steps (int, optional): the most steps. Default: the recipe's.
+        budget_s (float, optional): seconds training may take. Default: none.
+        out (Path): the run's folder; the head goes to ``<out>/mtp-head.safetensors``.
+
+    Returns:
+        dict: the report's ``mtp`` section.
+    """
+    import dataclasses
+
+    import torch
+
+    m = trainer.recipe.mtp
+    for p in target.parameters():
+        p.requires_grad_(False)
+    target.eval()
+    head = make_mtp_head(target)
+    weights = torch.tensor(m.depth_weights[: m.depths])
+    windows = fixed_windows(heldout_data, m.eval_windows, m.seq_len + m.depths - 1)
+
+    def loss(model: Any, window: Any) -> Any:
+        kls, _ = mtp_loss_terms(model, target, window, m.depths)
+        return (torch.stack(kls) * weights).sum()
+
+    @torch.no_grad()
+    def heldout() -> float:
+        head.eval()
+        return mean_over_windows(windows, m.batch, lambda w: loss(head, w))
+
+    @torch.no_grad()
+    def heldout_terms() -> tuple[list[float], list[float]]:
+        head.eval()
+        kls, agree = [0.0] * m.depths, [0.0] * m.depths
+        for i in range(0, windows.shape[0], m.batch):
+            chunk = windows[i : i + m.batch]
+            share = chunk.shape[0] / windows.shape[0]
+            kl_terms, agree_terms = mtp_loss_terms(head, target, chunk, m.depths)
+            for d, (kl, a) in enumerate(zip(kl_terms, agree_terms, strict=True)):
+                kls[d] += kl.item() * share
+                agree[d] += a.item() * share
+        return kls, agree
+
+    sizes = dataclasses.replace(
+        trainer.recipe,
+        batch=m.batch,
+        seq_len=m.seq_len + m.depths - 1,
+        warmup=m.warmup,
+        eval_every=m.eval_every,
+    )
+    trainer.log(f"mtp head: {count_params(head):,} parameters, {m.depths} chained steps")
+    run = trainer.train(
+        "mtp",
+        head,
+        train_data,
+        steps or m.steps,
+        m.lr,
+        budget_s,
+        loss,
+        heldout,
+        seed_offset=3,
+        recipe=sizes,
+    )
+    file_bytes = save_mtp_head(head, out / "mtp-head.safetensors")
+    kls, agree = heldout_terms()
+    trainer.log(f"mtp done: held-out KL per step {kls}, agreement per step {agree}")
+    return {
+        **asdict(run),
+        "final_train_loss_is": "sum over steps d of weight_d * KL(target || head), nats",
+        "heldout_kl_at_step": [round(k, 4) for k in kls],
+        "heldout_text_agreement_at_step": [round(a, 4) for a in agree],
+        "heldout_text_positions": int(windows.shape[0] * m.seq_len),
+        "head_file_bytes_float32": file_bytes,
+    }
+
+
 # --- the run --------------------------------------------------------------------------------
 
 
@@ -545,9 +878,82 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=15.0,
         help="largest weight file in MiB (default 15: the GPU machine returns files <= 16 MiB)",
     )
+    p.add_argument(
+        "--mtp",
+        action="store_true",
+        help="also train the target's MTP head (<out>/mtp-head.safetensors), after the draft",
+    )
+    p.add_argument("--steps-mtp", type=int, default=None, help="most MTP head steps")
+    p.add_argument(
+        "--mtp-time-budget-s",
+        type=float,
+        default=None,
+        help="training seconds for the MTP head (setup and evaluation not counted)",
+    )
+    p.add_argument(
+        "--target-from",
+        type=Path,
+        default=None,
+        help="a trained target's folder (a Hugging Face or mlx-lm llama folder with the "
+        "tokenizer files, mlx_spec/demo/target say): train only its MTP head; the report is "
+        "the train_report.json beside that folder, with the mtp section added",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     return p.parse_args(argv)
+
+
+def main_mtp_only(
+    args: argparse.Namespace, trainer: Trainer, argv: list[str] | None
+) -> dict[str, Any]:
+    """Train the MTP head of the target in ``args.target_from`` (frozen) on the corpus it was
+    trained on, tokenized with its own tokenizer; writes ``<out>/mtp-head.safetensors`` and
+    ``<out>/train_report.json``: the report beside the target's folder (where there is one) with
+    the ``mtp`` section, which records this run's command, device and versions."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+    from transformers import LlamaForCausalLM
+
+    r, out = trainer.recipe, args.out
+    out.mkdir(parents=True, exist_ok=True)
+    source: Path = args.target_from
+    tok = Tokenizer.from_file(str(source / "tokenizer.json"))
+    train_texts, heldout_texts = build_corpus(r.max_train_bytes, r.max_heldout_bytes)
+    train_ids, heldout_ids = encode_stream(tok, train_texts), encode_stream(tok, heldout_texts)
+    trainer.log(f"corpus: {len(train_ids):,} train tokens, {len(heldout_ids):,} held-out tokens")
+    target = LlamaForCausalLM.from_pretrained(str(source), dtype=torch.float32).to(trainer.device)
+    mtp = train_mtp(
+        trainer,
+        target,
+        torch.tensor(train_ids, dtype=torch.long, device=trainer.device),
+        torch.tensor(heldout_ids, dtype=torch.long, device=trainer.device),
+        args.steps_mtp,
+        args.mtp_time_budget_s,
+        out,
+    )
+    base = source.parent / "train_report.json"
+    report = json.loads(base.read_text()) if base.is_file() else {}
+    mtp["run"] = {
+        "command": " ".join(
+            [Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "device": trainer.device,
+        "threads": torch.get_num_threads(),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "train_tokens": len(train_ids),
+        "heldout_tokens": len(heldout_ids),
+        "recipe": asdict(r.mtp),
+        "wall_seconds": round(time.time() - trainer.start, 1),
+    }
+    report["mtp"] = mtp
+    (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(mtp, indent=2), flush=True)
+    return report
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -571,6 +977,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     trainer = Trainer(r, device, args.seed, start)
     log = trainer.log
+    if args.target_from is not None:
+        return main_mtp_only(args, trainer, argv)
     out: Path = args.out
     target_dir, draft_dir = out / "target", out / "draft"
     target_dir.mkdir(parents=True, exist_ok=True)
@@ -658,6 +1066,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         lambda: eval_kl(draft, heldout_windows),
         seed_offset=2,
     )
+    mtp = None
+    if args.mtp:
+        mtp = train_mtp(
+            trainer, target, train_data, heldout_data, args.steps_mtp, args.mtp_time_budget_s, out
+        )
     draft_heldout = eval_ce(draft, heldout_windows)
     draft_heldout_kl = eval_kl(draft, heldout_windows)
     log(f"draft done: train KL {draft_run.final_train_loss}, held-out KL {draft_heldout_kl:.4f}")
@@ -729,6 +1142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "heldout_kl": round(draft_heldout_kl, 4),
             "heldout_loss": round(draft_heldout, 4),
         },
+        **({"mtp": mtp} if mtp is not None else {}),
         "agreement": {
             "heldout_text": round(text_agree, 4),
             "heldout_text_positions": text_n,
