@@ -45,6 +45,12 @@ MIN_COST_RATIO = 5.0
 MIN_AGREEMENT = 0.5
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 COST_LENGTHS = (1, 2, 3, 4, 5, 9)
+MTP_SOURCE = "mtp-head.safetensors"  # the training run's head, Qwen-layout names
+MTP_BITS = 8  # the most that fits MAX_MTP_BYTES
+MTP_GROUP_SIZE = 64
+MAX_MTP_BYTES = 2_000_000
+MTP_DEPTH = 4
+_PATH_FLAGS = {"--out", "--target-from"}  # flags whose values are this machine's paths
 
 
 def stage_hf_folders(src: Path, staging: Path) -> dict[str, Path]:
@@ -242,6 +248,110 @@ def tokens_per_round(matches: list[list[bool]], num_draft: int) -> float:
     return tokens / rounds
 
 
+def convert_mtp_head(src_file: Path, target_folder: Path, bits: int | None) -> Path:
+    """Write the trained MTP head into the converted target's folder as ``mtp.safetensors``.
+
+    The head's weights (Qwen-layout names, from ``train_demo_models.py``) are renamed as
+    :class:`mlx_spec.mtp.MTPHead` names them, cast to the target's dtype and, with ``bits``,
+    quantized (every linear layer, groups of :data:`MTP_GROUP_SIZE`), then written by
+    :func:`mlx_spec.mtp_convert.save_head`, so that ``mlx_spec.load`` attaches them.
+
+    Args:
+        src_file (Path): ``mtp-head.safetensors`` of a training run.
+        target_folder (Path): the converted target (mlx-lm llama folder).
+        bits (int, optional): quantization bits; ``None`` keeps the target's dtype.
+
+    Returns:
+        Path: the file written.
+    """
+    import mlx.nn as nn
+    from mlx_lm import load
+
+    from mlx_spec.mtp import new_head, own_names
+    from mlx_spec.mtp_convert import save_head
+
+    model, _ = load(str(target_folder))
+    dtype = model.model.embed_tokens.weight.dtype
+    named = own_names(mx.load(str(src_file)), "qwen", model.args.num_hidden_layers)
+    head = new_head(model, "qwen")
+    head.load_weights([(k, v.astype(dtype)) for k, v in named.items()], strict=True)
+    if bits is not None:
+        nn.quantize(head, group_size=MTP_GROUP_SIZE, bits=bits)
+    return save_head(head, target_folder)
+
+
+def mtp_matches(
+    model: Any, prompts: list[list[int]], new_tokens: int, depth: int
+) -> list[list[list[bool]]]:
+    """Whether each token the MTP head drafts equals the target's greedy token there.
+
+    The target continues each prompt greedily; then, for each position ``t`` from the prompt's
+    last on, the head is shown the target's hidden states up to ``t`` (as the generation loop
+    shows them) and drafts ``depth`` tokens, compared with the target's tokens at ``t + 2``,
+    ``t + 3``, ... (under greedy acceptance, those equal are the ones a round keeps).
+
+    Args:
+        model (nn.Module): the target, loaded by ``mlx_spec.load`` with its head.
+        prompts (list[list[int]]): token ids of each prompt.
+        new_tokens (int): tokens the target generates after each prompt.
+        depth (int): tokens drafted at each position.
+
+    Returns:
+        list: per prompt, per position, ``depth`` bools (fewer near the end of the text).
+    """
+    from mlx_spec import _mlx_lm
+    from mlx_spec.drafters import DraftSetup
+    from mlx_spec.loop import Text
+    from mlx_spec.mtp import MTPDrafter, head_of
+    from mlx_spec.rules import make_rule
+
+    split = _mlx_lm.split(model)
+    out = []
+    for prompt in prompts:
+        seq = prompt + greedy_continue(model, prompt, new_tokens)
+        hidden = split.backbone(mx.array([seq]))[0]
+        text = Text(mx.array(prompt, dtype=mx.uint32), prompt)
+        text.extend(seq[len(prompt) :])
+        drafter = MTPDrafter(head_of(model))
+        drafter.start(text, DraftSetup(rule=make_rule(None), target=split))
+        drafter.see(hidden[: len(prompt)], 0, text)
+        rows = []
+        for t in range(len(prompt) - 1, len(seq) - 2):
+            drafted = drafter.propose(text, depth, None).tokens.tolist()
+            rows.append([d == s for d, s in zip(drafted, seq[t + 2 :], strict=False)])
+            drafter.update(text, 0)
+            drafter.see(hidden[t + 1 : t + 2], t + 1, text)
+        out.append(rows)
+    return out
+
+
+def mtp_tokens_per_round(matches: list[list[list[bool]]], num_draft: int) -> float:
+    """Mean tokens a greedy round drafting ``num_draft`` MTP tokens yields, replayed from
+    :func:`mtp_matches`: a round at position ``t`` keeps the leading matches of ``t``'s draft
+    and adds the target's own token."""
+    tokens, rounds = 0, 0
+    for rows in matches:
+        t = 0
+        while t < len(rows):
+            kept = 0
+            while kept < min(num_draft, len(rows[t])) and rows[t][kept]:
+                kept += 1
+            tokens += kept + 1
+            rounds += 1
+            t += kept + 1
+    return tokens / rounds
+
+
+def agreement_at(matches: list[list[list[bool]]], depth: int) -> list[float]:
+    """For draft positions ``1..depth``: how often the drafted token equals the target's, over
+    the positions that have one there."""
+    rates = []
+    for i in range(depth):
+        hits = [row[i] for rows in matches for row in rows if len(row) > i]
+        rates.append(sum(hits) / len(hits))
+    return rates
+
+
 def heldout_prompts(tokenizer_file: Path, count: int, length: int) -> list[list[int]]:
     """``count`` prompts of ``length`` tokens spread evenly over the held-out documents.
 
@@ -336,6 +446,93 @@ python scripts/convert_demo_models.py --src demo-run --dst mlx_spec/demo --force
     (dst / "README.md").write_text(text)
 
 
+def ship_mtp(src: Path, dst: Path, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    """Convert the trained MTP head into ``<dst>/target`` and measure it, unquantized and as
+    shipped (:data:`MTP_BITS`), on ``prompts``; returns the facts for the report and model card.
+    """
+    import mlx_spec
+
+    facts: dict[str, Any] = {}
+    for label, bits in (("bfloat16", None), (f"{MTP_BITS}-bit", MTP_BITS)):
+        file = convert_mtp_head(src / MTP_SOURCE, dst / "target", bits)
+        model, _ = mlx_spec.load(str(dst / "target"))
+        matches = mtp_matches(model, prompts, new_tokens, MTP_DEPTH)
+        facts[label] = {
+            "file_bytes": file.stat().st_size,
+            "agreement_at_position": [round(a, 4) for a in agreement_at(matches, MTP_DEPTH)],
+            "tokens_per_round": {
+                str(n): round(mtp_tokens_per_round(matches, n), 3) for n in range(1, MTP_DEPTH + 1)
+            },
+            "positions": sum(len(rows) for rows in matches),
+        }
+        print(f"MTP head, {label}: {facts[label]}", flush=True)
+    facts["shipped"] = f"{MTP_BITS}-bit"
+    facts["group_size"] = MTP_GROUP_SIZE
+    return facts
+
+
+def write_mtp_section(readme: Path, report: dict[str, Any], facts: dict[str, Any]) -> None:
+    """Write (or replace) the ``## MTP head`` section of the model card ``readme``."""
+    m, shipped = report["mtp"], facts[facts["shipped"]]
+    recipe = m["run"]["recipe"] if "run" in m else report["recipe"]["mtp"]
+    budget = ", stopped by the time budget" if m["stopped_by_budget"] else ""
+    if m["stopped_by_budget"] and m["best_step"] == m["steps"]:
+        budget += " while its held-out loss still fell"
+    bf16 = facts["bfloat16"]
+    rows = "\n".join(
+        f"| {n} | {bf16['tokens_per_round'][n]:.2f} | {shipped['tokens_per_round'][n]:.2f} |"
+        for n in bf16["tokens_per_round"]
+    )
+    agree = "\n".join(
+        f"| {i + 1} | {a:.1%} | {shipped['agreement_at_position'][i]:.1%} |"
+        for i, a in enumerate(facts["bfloat16"]["agreement_at_position"])
+    )
+    section = f"""## MTP head
+
+`target/mtp.safetensors` is a multi-token prediction head for the target, in the Qwen layout
+(`mtp.fc`, the two pre-projection norms, one decoder layer of the target's kind, the final norm;
+the target's own embedding and LM head), {shipped["file_bytes"] / 1e6:.2f} MB: its linear layers
+are quantized to {MTP_BITS} bits in groups of {MTP_GROUP_SIZE}. `mlx_spec.load` attaches it, and
+`mlx-spec generate --mtp` drafts with it. It was trained with the target frozen, by distillation
+from the target's distribution at the position it predicts, {recipe["depths"]} chained steps at
+once ({m["steps"]} steps of {recipe["batch"]} x {recipe["seq_len"]} positions{budget};
+`train_report.json` records the run).
+
+On the held-out prompts above, from each position the target generated, the head drafted
+{MTP_DEPTH} tokens as the generation loop has it draft; how often the token at each draft position
+equals the target's greedy token there, whatever the tokens before it:
+
+| position | bfloat16 | as shipped |
+| --- | --- | --- |
+{agree}
+
+Replayed as greedy speculation with N MTP tokens a round:
+
+| N | tokens per round, bfloat16 | as shipped |
+| --- | --- | --- |
+{rows}
+"""
+    args = m["run"]["command"].split()[1:] if "run" in m else []
+    kept = [a for i, a in enumerate(args) if not {a, args[i - 1] if i else ""} & _PATH_FLAGS]
+    section += f"""
+Trained and shipped, from a target already in `mlx_spec/demo/target`:
+
+```bash
+python3 scripts/train_demo_models.py --out demo-mtp --target-from mlx_spec/demo/target \\
+  {" ".join(kept)}
+python scripts/convert_demo_models.py --src demo-mtp --dst mlx_spec/demo --mtp-only
+```
+"""
+    text = readme.read_text()
+    start = text.find("## MTP head")
+    if start >= 0:
+        end = text.find("\n## ", start + 1)
+        text = text[:start] + (text[end + 1 :] if end >= 0 else "")
+    marker = text.find("## Reproduce")
+    text = text[:marker] + section + "\n" + text[marker:] if marker >= 0 else text + "\n" + section
+    readme.write_text(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -346,7 +543,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=24, help="held-out prompts for agreement")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument(
+        "--mtp-only",
+        action="store_true",
+        help="only ship the MTP head of --src (mtp-head.safetensors) into the converted target",
+    )
     return p.parse_args(argv)
+
+
+def main_mtp_only(args: argparse.Namespace, report: dict[str, Any]) -> int:
+    """``--mtp-only``: ship and measure the head, write the report and the model card's MTP
+    section; returns 1 when the head is over :data:`MAX_MTP_BYTES`."""
+    dst: Path = args.dst
+    prompts = heldout_prompts(dst / "target" / "tokenizer.json", args.prompts, args.prompt_len)
+    facts = ship_mtp(args.src, dst, prompts, args.new_tokens)
+    report["mtp"]["shipped"] = facts
+    (dst / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_mtp_section(dst / "README.md", report, facts)
+    size = facts[facts["shipped"]]["file_bytes"]
+    ok = size <= MAX_MTP_BYTES
+    print(f"{'ok  ' if ok else 'FAIL'} MTP head {size} <= {MAX_MTP_BYTES}", flush=True)
+    return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     report = json.loads((args.src / "train_report.json").read_text())
     dst: Path = args.dst
+    if args.mtp_only:
+        return main_mtp_only(args, report)
     out = {"target": dst / "target", "draft": dst / "draft"}
     for folder in out.values():
         if folder.exists():
@@ -419,6 +638,9 @@ def main(argv: list[str] | None = None) -> int:
         "train_flags": train_flags,
     }
     write_readme(dst, facts)
+    if (args.src / MTP_SOURCE).is_file():
+        report["mtp"]["shipped"] = ship_mtp(args.src, dst, prompts, args.new_tokens)
+        write_mtp_section(dst / "README.md", report, report["mtp"]["shipped"])
     ratio = costs["target"][1] / costs["draft"][1]
     checks = {
         f"size {sizes['total']} <= {MAX_TOTAL_BYTES}": sizes["total"] <= MAX_TOTAL_BYTES,

@@ -369,6 +369,29 @@ def test_greedy_mtp_drafts_give_plain_mlx_lm_decoding(family, folder, folders):
     assert 20 <= stats.accepted <= stats.drafted - 20, (stats.accepted, stats.drafted)
 
 
+def test_the_demo_targets_shipped_head_drafts_plain_greedy_decoding():
+    # The shipped head is quantized beside a bfloat16 target: both load, and the text over a few
+    # hundred tokens is plain decoding's, with drafts kept and rejected many times.
+    from mlx_spec._demo import DEMO_DIR, PROMPTS
+
+    model, tokenizer = load(DEMO_DIR / "target")
+    head = head_of(model)
+    assert head is not None
+    assert {bits for bits, _, _ in quantized_modules(head).values()} == {8}
+    assert quantized_modules(model) == {}
+    prompt = mx.array(tokenizer.encode(PROMPTS[1]), dtype=mx.uint32)
+    plain = [t for t, _ in generate_step(prompt, model, max_tokens=300)]
+    stats = mlx_spec.SpeculativeStats()
+    spec = [
+        t
+        for t, _, _ in mlx_spec.speculative_generate_step(
+            prompt, model, drafter="mtp", num_draft_tokens=3, max_tokens=300, stats=stats
+        )
+    ]
+    assert spec == plain
+    assert 50 <= stats.accepted <= stats.drafted - 50, (stats.accepted, stats.drafted)
+
+
 # -- errors -------------------------------------------------------------------------------------
 
 

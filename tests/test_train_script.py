@@ -65,6 +65,18 @@ def test_tokens_per_round_replays_greedy_acceptance():
     assert convert.tokens_per_round([[True] * 10], 4) == 5.0
 
 
+def test_mtp_replay_starts_a_round_after_each_kept_run():
+    convert = load_script("convert_demo_models")
+    # Two drafted tokens from each of 4 positions, matched or not.
+    rows = [[True, True], [False, False], [True, False], [True, True]]
+    # N = 2: the round at 0 keeps 2 (3 tokens); the next starts at 3 and keeps 2 (3 tokens).
+    assert convert.mtp_tokens_per_round([rows], 2) == 3.0
+    # N = 1: rounds at 0 and 2 keep 1 each (2 tokens each).
+    assert convert.mtp_tokens_per_round([rows], 1) == 2.0
+    # Agreement at each draft position counts every row, whatever the tokens before it.
+    assert convert.agreement_at([rows], 2) == [0.75, 0.5]
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("torch")
