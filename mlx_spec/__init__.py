@@ -10,7 +10,7 @@ from importlib import import_module
 from typing import Any
 
 from .acceptance import INVALID_ROW, accept_greedy, accept_sampled, read
-from .draft_length import Adaptive, Calibration, DraftPolicy, Fixed
+from .draft_length import Adaptive, BatchAdaptive, Calibration, DraftPolicy, Fixed
 from .sampling import SpecSampler, make_sampler
 
 # Names that need mlx-lm, by the module that defines them (imported on first use).
@@ -35,6 +35,7 @@ _NEEDS_MLX_LM = {
 __all__ = [
     "INVALID_ROW",
     "Adaptive",
+    "BatchAdaptive",
     "Calibration",
     "DraftPolicy",
     "Fixed",

@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -38,8 +38,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from . import _mlx_lm
 from ._checks import check_callable, check_int, check_key, device_type, is_int
-from .acceptance import _argmax_rows, _compile_per_thread, _matching, check_next
-from .draft_length import MAX_DRAFT_TOKENS
+from .acceptance import INVALID_ROW, _argmax_rows, _compile_per_thread, _matching, check_next
+from .draft_length import MAX_DRAFT_TOKENS, Adaptive, BatchAdaptive, Outcome, Round
 from .drafters import Drafter, DraftSetup, PromptLookupDrafter
 from .keys import KeyChain, set_global_state
 from .loop import Text, vocab_size
@@ -161,7 +161,11 @@ class _Sequence:
         rule (Rule): how its tokens are drawn and verified (greedy or coupled).
         keys (KeyChain, optional): the random state of each of its text positions (``None``
             for greedy).
+        estimate (Adaptive, optional): its acceptance estimate, with adaptive lengths.
         lag (int): tokens before the text's last that the draft model's caches lack.
+        cap (int): the most it may draft next round (its budget, or its proposal's length).
+        draft (list of int): its prompt lookup proposal for the next round.
+        label (int): that proposal's kind (:attr:`mlx_spec.drafters.Draft.label`).
     """
 
     uid: int
@@ -171,18 +175,22 @@ class _Sequence:
     max_tokens: int
     rule: Rule
     keys: KeyChain | None
+    estimate: Adaptive | None = None
     lag: int = 0
+    cap: int = 0
+    draft: list[int] = field(default_factory=list)
+    label: int = 0
 
     def budget(self) -> int:
         """The draft tokens a round may verify: a round emits at most that many and one more."""
         return max(0, min(self.draft_length, self.max_tokens - self.text.position - 1))
 
-    def states(self, n: int, *, draft: bool) -> mx.array | None:
-        """The keys of a round from here with ``n`` drafts (:meth:`Rule.keys`): ``[n, 2]`` for
-        the drafts, ``[n + 1, 2]`` for the verification; ``None`` for greedy."""
+    def states(self, n: int, *, draft: bool, ahead: int = 0) -> mx.array | None:
+        """The keys of a round ``ahead`` tokens from here with ``n`` drafts (:meth:`Rule.keys`):
+        ``[n, 2]`` for the drafts, ``[n + 1, 2]`` for the verification; ``None`` for greedy."""
         if self.keys is None:
             return None
-        return self.rule.keys(self.keys, self.text.position, n, draft=draft)
+        return self.rule.keys(self.keys, self.text.position + ahead, n, draft=draft)
 
 
 def _padded(rows: list[list[int]], width: int, fill: int) -> mx.array:
@@ -227,6 +235,9 @@ class SpeculativeBatch:
         prefill_step_size (int): prompt tokens per prefill call. Default: ``2048``.
         return_prompt_caches (bool): give each finished sequence's caches in its last response
             (one target call each, for the token a round leaves unfed). Default: ``False``.
+        policy (BatchAdaptive, optional): chooses each round's ``N``, each sequence drafting up
+            to ``min(N, draft_lengths[i])``; keep one across batches to keep what it measured.
+            Default: none, each sequence drafting ``draft_lengths[i]`` a round.
     """
 
     def __init__(
@@ -243,8 +254,10 @@ class SpeculativeBatch:
         drafter: Drafter | None = None,
         prefill_step_size: int = 2048,
         return_prompt_caches: bool = False,
+        policy: BatchAdaptive | None = None,
     ) -> None:
         self.model = model
+        self.policy = policy
         self.draft_model = draft_model
         self.vocab = vocab_size(model)
         self.eos = set(eos_token_ids)
@@ -253,7 +266,7 @@ class SpeculativeBatch:
         count = len(prompts)
         rules = [make_rule(s, "coupled", self.vocab) for s in samplers or [None] * count]
         self.sequences = [
-            _sequence(uid, prompt, drafter, n, most, rule, key)
+            _sequence(uid, prompt, drafter, n, most, rule, key, policy)
             for uid, (prompt, n, most, rule, key) in enumerate(
                 zip(prompts, draft_lengths, max_tokens, rules, keys or [None] * count, strict=True)
             )
@@ -266,25 +279,39 @@ class SpeculativeBatch:
             _prefill(draft_model, prompts, prefill_step_size) if draft_model is not None else []
         )
         self.rounds = 0
+        # The plain step started and not yet read, whether another follows it, and the time of
+        # the last read.
+        self._ahead: tuple[mx.array, mx.array, mx.array] | None = None
+        self._more = False
+        self._first = False
+        self._clock = 0.0
 
     def __len__(self) -> int:
         return len(self.sequences)
 
-    def _proposals(self) -> mx.array:
-        """``[B, N]`` uint32: each row's draft, then :data:`NO_DRAFT` to the longest's length."""
-        budgets = [s.budget() for s in self.sequences]
+    def _plan(self) -> int:
+        """The next round's ``N`` (``0``: a plain step); each row's ``cap`` and, with prompt
+        lookup, its proposal are set on the row."""
+        for s in self.sequences:
+            budget = s.budget()
+            s.draft, s.label = [], 0
+            if s.drafter is not None and budget:
+                proposal = s.drafter.propose(s.text, budget, s.states(budget, draft=True))
+                s.draft, s.label = proposal.tokens.tolist(), proposal.label
+            s.cap = len(s.draft) if s.drafter is not None else budget
+        if self.policy is None:
+            return max(s.cap for s in self.sequences)
+        return self.policy.choose([(s.estimate, Round(s.cap, s.label)) for s in self.sequences])
+
+    def _proposals(self, n: int) -> mx.array:
+        """``[B, n]`` uint32: each row's draft of ``min(n, cap)`` tokens, then
+        :data:`NO_DRAFT`."""
+        own = [min(n, s.cap) for s in self.sequences]
         if self.draft_model is not None:
-            n = max(budgets)
-            if n == 0:
-                return mx.zeros((len(self), 0), dtype=mx.uint32)
             drafts = self._draft_with_model(n)
-            used = mx.array(np.arange(n)[None] < np.array(budgets)[:, None])
+            used = mx.array(np.arange(n)[None] < np.array(own)[:, None])
             return mx.where(used, drafts, NO_DRAFT).astype(mx.uint32)
-        rows = [
-            s.drafter.propose(s.text, b, s.states(b, draft=True)).tokens.tolist() if b else []
-            for s, b in zip(self.sequences, budgets, strict=True)
-        ]
-        return _padded(rows, max(len(r) for r in rows), NO_DRAFT)
+        return _padded([s.draft[:k] for s, k in zip(self.sequences, own, strict=True)], n, NO_DRAFT)
 
     def _draft_with_model(self, n: int) -> mx.array:
         """``[B, n]`` uint32: the draft model's tokens after each row's text, lazy, each row's
@@ -330,7 +357,11 @@ class SpeculativeBatch:
         return decide_drawn(*choices(logits, rules, states), drafts, self._eos)
 
     def next(self) -> list[Response]:
-        """Runs one round.
+        """Runs one round, or one plain step where the round drafts nothing.
+
+        Plain steps run as mlx-lm's ``GenerationBatch`` runs them: each is started before the
+        one before it is read. After each the draft lengths are chosen again; once a round
+        drafts, the step already started is read first.
 
         Returns:
             list: a ``GenerationBatch.Response`` for each token emitted, in order per sequence;
@@ -340,16 +371,76 @@ class SpeculativeBatch:
         """
         if not self.sequences:
             return []
+        self.rounds += 1
+        if self._ahead is None:
+            n = self._plan()
+            if n:
+                return self._round(n)
+            self._clock = time.perf_counter()
+            self._ahead = self._start_step(self._last(), 0)
+            self._first, self._more = True, True
+        return self._step()
+
+    def _last(self) -> mx.array:
+        """``[B]`` uint32: each row's last token."""
+        return mx.array([s.text.ids(len(s.text) - 1)[0] for s in self.sequences], mx.uint32)
+
+    def _start_step(self, fed: mx.array, ahead: int) -> tuple[mx.array, mx.array, mx.array]:
+        """A plain step feeding ``[B]`` ``fed``, ``ahead`` tokens past each row's text, started:
+        the lazy ``[B]`` uint32 tokens (:data:`mlx_spec.INVALID_ROW` where a row cannot decide),
+        the ``[B]`` ids to feed next and the ``[B, V]`` log-probabilities."""
         saved = mx.random.state[0] if self._seeds else None
-        drafts = self._proposals()
+        logits = self.model(fed[:, None], cache=self.cache)
+        rules = [s.rule for s in self.sequences]
+        states = [s.states(0, draft=False, ahead=ahead) for s in self.sequences]
+        chosen, invalid = choices(logits, rules, states)
+        tokens = mx.where(invalid[:, 0], INVALID_ROW, chosen[:, 0]).astype(mx.uint32)
+        logprobs = logits[:, 0] - mx.logsumexp(logits[:, 0], axis=-1, keepdims=True)
+        mx.async_eval(tokens)
+        if saved is not None:
+            set_global_state(saved)
+        return tokens, mx.minimum(tokens, logits.shape[-1] - 1), logprobs
+
+    def _step(self) -> list[Response]:
+        """Reads the plain step started, having started the next one unless drafting resumes."""
+        tokens, fed, logprobs = self._ahead
+        self._ahead = self._start_step(fed, 1) if self._more else None
+        # The step's one read, of its tokens alone: an op on them would queue behind the step
+        # ahead, and the read would wait for both.
+        read = tokens.tolist()
+        now = time.perf_counter()
+        seconds, self._clock = now - self._clock, now
+        responses = []
+        for i, (s, token) in enumerate(zip(self.sequences, read, strict=True)):
+            check_next("mlx_spec.batch_generate", token, (i,))
+            if s.estimate is not None:
+                # The guess of the plan before this step, tested without verifying it.
+                right = int(bool(s.draft) and s.draft[0] == token)
+                s.estimate.observe(Outcome(int(bool(s.draft)), right, s.label, plain=True))
+            responses.extend(self._emit(s, [token], logprobs[i : i + 1]))
+            if s.drafter is not None:
+                s.drafter.update(s.text, 0)
+            s.lag += 1
+        if self.policy is not None:
+            outcome = Outcome(0, 0, seconds=seconds, plain=True, first=self._first)
+            self.policy.observe(len(self.sequences), outcome)
+        self._first = False
+        self._leave(responses)
+        if self._ahead is not None and self.sequences:
+            self._more = self._plan() == 0
+        return responses
+
+    def _round(self, n: int) -> list[Response]:
+        """One round drafting up to ``n`` tokens a row, with one host read."""
+        start = time.perf_counter()
+        saved = mx.random.state[0] if self._seeds else None
+        drafts = self._proposals(n)
         logits = self.model(self._inputs(drafts), cache=self.cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         decided = self._decide(logits, drafts)
         read = np.array(mx.concatenate([decided, drafts], axis=1))
         if saved is not None:
             set_global_state(saved)
-        self.rounds += 1
-        width = drafts.shape[1] + 1
         kept = []
         responses = []
         for i, s in enumerate(self.sequences):
@@ -357,32 +448,41 @@ class SpeculativeBatch:
             check_next("mlx_spec.batch_generate", token, (i,))
             emitted = [int(x) for x in read[i, 3 : 3 + accepted]] + [token]
             kept.append(accepted + 1)
-            responses.extend(self._emit(i, s, emitted, logprobs))
+            responses.extend(self._emit(s, emitted, logprobs[i]))
             if s.drafter is not None:
                 s.drafter.update(s.text, accepted)
             if self.draft_model is not None:
-                s.lag += accepted + 1 - min(accepted + 1, drafts.shape[1])
-        self.cache[:] = [_mlx_lm.keep_rows(layer, width, kept) for layer in self.cache]
-        if self.draft_model is not None and drafts.shape[1]:
-            n = drafts.shape[1]
+                s.lag += accepted + 1 - min(accepted + 1, n)
+            if s.estimate is not None:
+                s.estimate.observe(Outcome(min(n, s.cap), accepted, s.label))
+        self.cache[:] = [_mlx_lm.keep_rows(layer, n + 1, kept) for layer in self.cache]
+        if self.draft_model is not None:
             self.draft_cache[:] = [
                 _mlx_lm.keep_rows(layer, n, [min(k, n) for k in kept]) for layer in self.draft_cache
             ]
+        if self.policy is not None:
+            seconds = time.perf_counter() - start
+            self.policy.observe(len(self.sequences), Outcome(n, 0, seconds=seconds))
+        self._leave(responses)
+        return responses
+
+    def _leave(self, responses: list[Response]) -> None:
+        """Finished sequences leave the batch, their caches in their last response if asked."""
         done = {r.uid for r in responses if r.finish_reason is not None}
         for r in responses:
             if r.finish_reason is not None and self.return_prompt_caches:
                 r.prompt_cache = self._final_cache(r.uid)
         self._filter([i for i, s in enumerate(self.sequences) if s.uid not in done])
-        return responses
 
-    def _emit(self, i: int, s: _Sequence, emitted: list[int], logprobs: mx.array) -> list[Response]:
-        """Appends ``emitted`` to row ``i``'s text up to where it finishes, as responses."""
+    def _emit(self, s: _Sequence, emitted: list[int], logprobs: mx.array) -> list[Response]:
+        """Appends ``emitted`` to ``s``'s text up to where it finishes, as responses, each with
+        its row of ``logprobs`` (``[len(emitted), V]`` or more rows)."""
         responses = []
         for j, token in enumerate(emitted):
             s.text.extend([token])
             reason = _finish(s.text.position, token, s.max_tokens, self.eos)
             everything = s.text.ids(0) if reason else None
-            responses.append(Response(s.uid, token, logprobs[i, j], reason, None, everything))
+            responses.append(Response(s.uid, token, logprobs[j], reason, None, everything))
             if reason:
                 break
         return responses
@@ -403,6 +503,9 @@ class SpeculativeBatch:
         if len(keep) == len(self.sequences):
             return
         self.sequences = [self.sequences[i] for i in keep]
+        if self._ahead is not None:
+            rows = mx.array(keep, dtype=mx.int32)
+            self._ahead = tuple(part[rows] for part in self._ahead) if keep else None
         for caches in (self.cache, self.draft_cache):
             if not keep:
                 caches.clear()
@@ -418,16 +521,18 @@ def _sequence(
     max_tokens: int,
     rule: Rule,
     key: mx.array | None,
+    policy: BatchAdaptive | None,
 ) -> _Sequence:
-    """A sequence with its own copy of ``drafter``, started on its prompt, and the chain of
-    its key where its rule samples."""
+    """A sequence with its own copy of ``drafter``, started on its prompt, the chain of its key
+    where its rule samples, and its acceptance estimate where ``policy`` adapts."""
     text = Text(mx.array(prompt, dtype=mx.uint32), list(prompt))
     mine = None
     if drafter is not None:
         mine = copy.deepcopy(drafter)
         mine.start(text, DraftSetup(rule))
     chain = KeyChain(key, rule.steps) if rule.random else None
-    return _Sequence(uid, text, mine, draft_length, max_tokens, rule, chain)
+    estimate = policy.sequence() if policy is not None else None
+    return _Sequence(uid, text, mine, draft_length, max_tokens, rule, chain, estimate)
 
 
 def _per_prompt(
@@ -542,6 +647,8 @@ def batch_generate(
     draft_model: nn.Module | None = None,
     drafter: str | PromptLookupDrafter | None = None,
     num_draft_tokens: int | Sequence[int] = 3,
+    adaptive: bool = True,
+    policy: BatchAdaptive | None = None,
     max_tokens: int | Sequence[int] = 128,
     sampler: Any = None,
     keys: Sequence[mx.array | None] | None = None,
@@ -576,6 +683,12 @@ def batch_generate(
         num_draft_tokens (int or list of int): the most draft tokens a round, in
             ``[0, MAX_DRAFT_TOKENS]``, for all prompts or one per prompt (``0``: that sequence
             does not draft). Default: ``3``.
+        adaptive (bool): choose each round's draft lengths, up to ``num_draft_tokens``, from
+            each sequence's acceptance and the measured cost of a round at the batch's size,
+            drafting nothing where it does not pay (:class:`mlx_spec.draft_length.BatchAdaptive`);
+            ``False`` drafts ``num_draft_tokens`` every round. Default: ``True``.
+        policy (BatchAdaptive, optional): the adaptive policy to use, to keep what it measured
+            from one call to the next, or to give it calibrations. Default: a new one.
         max_tokens (int or list of int): tokens to generate, ``>= 1``, for all prompts or one
             per prompt. Default: ``128``.
         sampler (callable or list, optional): a sampler for every prompt, or a list of one per
@@ -603,7 +716,8 @@ def batch_generate(
 
     Raises:
         ValueError: an argument is of the wrong type or out of range, a model's caches do not
-            batch, or ``acceptance`` is not ``"coupled"``; the message names the argument.
+            batch, ``acceptance`` is not ``"coupled"``, or ``policy`` is given with
+            ``adaptive=False``; the message names the argument.
             Raised before any work.
     """
     op = "mlx_spec.batch_generate"
@@ -621,6 +735,7 @@ def batch_generate(
     rules = [make_rule(s, acceptance, vocab_size(model)) for s in samplers]
     check_int(op, "prefill_step_size", prefill_step_size, 1)
     for name, flag in (
+        ("adaptive", adaptive),
         ("verbose", verbose),
         ("return_prompt_caches", return_prompt_caches),
         ("return_token_ids", return_token_ids),
@@ -628,6 +743,12 @@ def batch_generate(
     ):
         if not isinstance(flag, bool):
             raise ValueError(f"{op}: `{name}` must be a bool, got {flag!r}")
+    if policy is not None and not isinstance(policy, BatchAdaptive):
+        raise ValueError(f"{op}: `policy` must be a BatchAdaptive, got {policy!r}")
+    if policy is not None and not adaptive:
+        raise ValueError(f"{op}: `policy` is given with `adaptive=False`; give one or the other")
+    if adaptive and policy is None and max(lengths):
+        policy = BatchAdaptive(max(lengths))
     chosen = _check_keys(op, keys, rules)
     stats = BatchStats()
     start = time.perf_counter()
@@ -644,6 +765,7 @@ def batch_generate(
             drafter=copied,
             prefill_step_size=prefill_step_size,
             return_prompt_caches=return_prompt_caches,
+            policy=policy if adaptive else None,
         )
         stats.prompt_tokens = sum(len(p) for p in ids)
         stats.prompt_time = time.perf_counter() - start

@@ -11,11 +11,17 @@ step ``plain`` seconds for one token.
 Sampling is keyed by text position (:mod:`mlx_spec.keys`), so no choice of ``N`` changes the text,
 only how fast it comes. Given a :class:`Calibration`, :class:`Adaptive` is deterministic; without
 one it measures its own once, in its first rounds and plain steps, and keeps it.
+
+:class:`BatchAdaptive` applies the same rule to a batch (:mod:`mlx_spec.batch`): one ``N`` for the
+round, each row drafting up to it, which maximises the batch's ``sum_i E_i(min(N, cap_i))`` over
+its cost, each row's acceptance estimated as :class:`Adaptive` estimates it, and the costs a
+:class:`Calibration` for each batch size, measured as :class:`Adaptive` measures one.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -24,6 +30,7 @@ import numpy as np
 __all__ = [
     "MAX_DRAFT_TOKENS",
     "Adaptive",
+    "BatchAdaptive",
     "Calibration",
     "DraftPolicy",
     "Fixed",
@@ -136,6 +143,56 @@ _ROUNDS, _STEPS = 3, 8
 _PRIOR = (2.0, 3.0)
 
 
+def _expected(a: float, top: int) -> np.ndarray:
+    """``[top + 1]``: the tokens a round drafting ``0 .. top`` yields on average at acceptance
+    ``a`` (``E(N) = 1 + a + ... + a^N``)."""
+    return np.cumsum(min(a, 0.999) ** np.arange(top + 1))
+
+
+def _fastest(tokens: np.ndarray, calibration: Calibration, pending: int = 1) -> int:
+    """The ``N`` whose ``tokens[N]`` come fastest, ``N = 0`` costing a plain step."""
+    costs = np.asarray(calibration.cost(np.arange(len(tokens)), pending), dtype=np.float64)
+    costs[0] = calibration.plain
+    return int(np.argmax(tokens / np.maximum(costs, 1e-12)))
+
+
+class _Meter:
+    """Measures a :class:`Calibration`: rounds of the most and of one token in turn, then
+    plain steps."""
+
+    def __init__(self) -> None:
+        # The seconds of rounds, by length, and of steady plain steps.
+        self._rounds: dict[int, list[float]] = {}
+        self._steps: list[float] = []
+
+    def length(self, top: int) -> int:
+        """The next round's ``N`` while measuring (``0``: a plain step)."""
+        measured = sum(map(len, self._rounds.values()))
+        return (1 if measured % 2 else top) if measured < 2 * (_ROUNDS + 1) else 0
+
+    def record(self, outcome: Outcome) -> Calibration | None:
+        """Counts a timed round or plain step: the costs measured so far, once there are enough."""
+        if not outcome.plain:
+            self._rounds.setdefault(outcome.drafted, []).append(outcome.seconds)
+        elif not outcome.first:
+            self._steps.append(outcome.seconds)
+        lengths = sorted(n for n, times in self._rounds.items() if len(times) > _ROUNDS)
+        if len(lengths) < 2 or len(self._steps) < _STEPS:
+            return None
+        # The first round at each length pays its first use (a compilation): left out.
+        short, long = (statistics.median(self._rounds[n][1:]) for n in (lengths[0], lengths[-1]))
+        token = max((long - short) / (lengths[-1] - lengths[0]), 0.0)
+        fixed = max(short - token * lengths[0], 0.0)
+        return Calibration(statistics.median(self._steps), fixed, token)
+
+
+def _check_policy(op: str, most: object, decay: object) -> None:
+    if isinstance(most, bool) or not isinstance(most, int) or not 1 <= most <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"{op}: `most` must be an int in [1, {MAX_DRAFT_TOKENS}], got {most!r}")
+    if not 0 < decay <= 1:
+        raise ValueError(f"{op}: `decay` must be in (0, 1], got {decay!r}")
+
+
 class Adaptive:
     """The ``N`` that maximises tokens per second (see the module's description).
 
@@ -151,22 +208,15 @@ class Adaptive:
     def __init__(
         self, most: int = 8, calibration: Calibration | None = None, decay: float = 0.97
     ) -> None:
-        if isinstance(most, bool) or not isinstance(most, int) or not 1 <= most <= MAX_DRAFT_TOKENS:
-            raise ValueError(
-                f"Adaptive: `most` must be an int in [1, {MAX_DRAFT_TOKENS}], got {most!r}"
-            )
+        _check_policy("Adaptive", most, decay)
         if calibration is not None and not isinstance(calibration, Calibration):
             raise ValueError(f"Adaptive: `calibration` must be a Calibration, got {calibration!r}")
-        if not 0 < decay <= 1:
-            raise ValueError(f"Adaptive: `decay` must be in (0, 1], got {decay!r}")
         self.most = most
         self.calibration = calibration
         self.decay = decay
         # [kept, tested] draft tokens per label, from _PRIOR.
         self._counts: dict[int, list[float]] = {}
-        # While measuring: the seconds of rounds, by length, and of steady plain steps.
-        self._rounds: dict[int, list[float]] = {}
-        self._steps: list[float] = []
+        self._meter = _Meter()
 
     def acceptance(self, label: int = 0) -> float:
         """The estimated chance that a draft token of a proposal labelled ``label`` is kept."""
@@ -178,28 +228,10 @@ class Adaptive:
         if top == 0:
             return 0
         if self.calibration is None:
-            return self._measure(top)
-        a = min(self.acceptance(round.label), 0.999)
-        tokens = np.cumsum(a ** np.arange(top + 1))
-        costs = self.calibration.cost(np.arange(top + 1), round.pending)
-        costs[0] = self.calibration.plain
-        return int(np.argmax(tokens / np.maximum(costs, 1e-12)))
-
-    def _measure(self, top: int) -> int:
-        """While measuring: rounds of the most and of one token in turn, then plain steps."""
-        measured = sum(map(len, self._rounds.values()))
-        return (1 if measured % 2 else top) if measured < 2 * (_ROUNDS + 1) else 0
-
-    def _calibrated(self) -> Calibration | None:
-        """The costs measured so far, once there are enough."""
-        lengths = sorted(n for n, times in self._rounds.items() if len(times) > _ROUNDS)
-        if len(lengths) < 2 or len(self._steps) < _STEPS:
-            return None
-        # The first round at each length pays its first use (a compilation): left out.
-        short, long = (statistics.median(self._rounds[n][1:]) for n in (lengths[0], lengths[-1]))
-        token = max((long - short) / (lengths[-1] - lengths[0]), 0.0)
-        fixed = max(short - token * lengths[0], 0.0)
-        return Calibration(statistics.median(self._steps), fixed, token)
+            return self._meter.length(top)
+        return _fastest(
+            _expected(self.acceptance(round.label), top), self.calibration, round.pending
+        )
 
     def observe(self, outcome: Outcome) -> None:
         if outcome.drafted:
@@ -213,10 +245,77 @@ class Adaptive:
             # policy kept from temperature 0.8 to 0 never drafted again, on the H200).
             for counts in self._counts.values():
                 counts[:] = [p + (c - p) * self.decay for c, p in zip(counts, _PRIOR, strict=True)]
-        if self.calibration is not None or outcome.seconds is None:
+        if self.calibration is None and outcome.seconds is not None:
+            self.calibration = self._meter.record(outcome)
+
+
+class BatchAdaptive:
+    """One ``N`` a round for a batch, each row drafting ``min(N, cap_i)``: the ``N`` that
+    maximises the batch's tokens per second.
+
+    Each row keeps its own acceptance estimate, an :class:`Adaptive` (:meth:`sequence`) that the
+    batch tells each of the row's outcomes, untimed. A round of ``B`` rows drafting ``N`` yields
+    ``sum_i E_i(min(N, cap_i))`` tokens and costs ``Calibration.cost(N)`` of batch size ``B``;
+    a plain step of ``B`` rows yields ``B`` tokens for its ``plain`` seconds. A batch size's
+    calibration is measured in its first rounds and plain steps as :class:`Adaptive` measures
+    one, then kept, so that drafting stops where the batch has grown too large for it to pay.
+
+    Args:
+        most (int): the most draft tokens a round, in ``[1, MAX_DRAFT_TOKENS]``. Default: ``8``.
+        calibrations (Mapping, optional): batch size (``int >= 1``) to its :class:`Calibration`,
+            kept in the attribute ``calibrations``. Default: none; each measured when first met.
+        decay (float): each row's estimate's decay, in ``(0, 1]`` (:class:`Adaptive`).
+            Default: ``0.97``.
+    """
+
+    def __init__(
+        self,
+        most: int = 8,
+        calibrations: Mapping[int, Calibration] | None = None,
+        decay: float = 0.97,
+    ) -> None:
+        _check_policy("BatchAdaptive", most, decay)
+        given = dict(calibrations or {})
+        for size, calibration in given.items():
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(
+                    f"BatchAdaptive: `calibrations` must map batch sizes >= 1, got key {size!r}"
+                )
+            if not isinstance(calibration, Calibration):
+                raise ValueError(
+                    f"BatchAdaptive: `calibrations[{size}]` must be a Calibration, got "
+                    f"{calibration!r}"
+                )
+        self.most = most
+        self.decay = decay
+        self.calibrations = given
+        self._meters: dict[int, _Meter] = {}
+
+    def sequence(self) -> Adaptive:
+        """A new row's acceptance estimate, to tell that row's outcomes (without seconds)."""
+        return Adaptive(self.most, decay=self.decay)
+
+    def choose(self, rows: Sequence[tuple[Adaptive, Round]]) -> int:
+        """``N`` for the next round of ``len(rows)`` rows, each a row's estimate and situation
+        (its cap and label); ``0`` runs a plain step."""
+        top = min(self.most, max((r.cap for _, r in rows), default=0))
+        if top == 0:
+            return 0
+        calibration = self.calibrations.get(len(rows))
+        if calibration is None:
+            return self._meters.setdefault(len(rows), _Meter()).length(top)
+        lengths = np.arange(top + 1)
+        tokens = sum(
+            _expected(estimate.acceptance(r.label), top)[np.minimum(lengths, r.cap)]
+            for estimate, r in rows
+        )
+        return _fastest(tokens, calibration)
+
+    def observe(self, rows: int, outcome: Outcome) -> None:
+        """Learns the timed ``outcome`` of a round (``drafted``: its ``N``) or plain step of
+        ``rows`` rows."""
+        if rows in self.calibrations or outcome.seconds is None:
             return
-        if not outcome.plain:
-            self._rounds.setdefault(outcome.drafted, []).append(outcome.seconds)
-        elif not outcome.first:
-            self._steps.append(outcome.seconds)
-        self.calibration = self._calibrated()
+        calibration = self._meters.setdefault(rows, _Meter()).record(outcome)
+        if calibration is not None:
+            self.calibrations[rows] = calibration

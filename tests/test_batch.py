@@ -21,6 +21,7 @@ from tiny_models import cut, tiny_llama, tiny_qwen2
 
 import mlx_spec
 from mlx_spec import _mlx_lm
+from mlx_spec.draft_length import BatchAdaptive
 from mlx_spec.generation import speculative_generate_step
 from mlx_spec.keys import seed_of
 
@@ -80,7 +81,10 @@ def test_a_draft_equal_to_the_target_keeps_every_draft_token(tokenizer):
     """Rounds are counted: a draft the target always agrees with emits ``N + 1`` a round."""
     model = tiny_llama(0)
     n, max_tokens = 3, 22
-    got = speculative(model, tokenizer, PROMPTS, max_tokens, draft_model=model, num_draft_tokens=n)
+    got = speculative(
+        model, tokenizer, PROMPTS, max_tokens, draft_model=model, num_draft_tokens=n,
+        adaptive=False,
+    )  # fmt: skip
     assert got.token_ids == plain(model, tokenizer, PROMPTS, max_tokens)
     assert got.stats.generation_steps == math.ceil(max_tokens / (n + 1))
 
@@ -90,6 +94,52 @@ def test_no_draft_is_one_token_a_round(tokenizer):
     got = speculative(model, tokenizer, PROMPTS, 9, drafter="prompt-lookup", num_draft_tokens=0)
     assert got.token_ids == plain(model, tokenizer, PROMPTS, 9)
     assert got.stats.generation_steps == 9
+
+
+# Drafting cannot pay: a round costs ten plain steps, and each draft token ten more.
+DEAR = mlx_spec.Calibration(plain=1.0, round=10.0, token=10.0)
+# Drafting pays: a round costs a plain step, whatever it drafts.
+CHEAP = mlx_spec.Calibration(plain=1.0, round=1.0, token=0.0)
+
+
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "draft-model"])
+def test_adaptive_lengths_draft_nothing_where_drafting_cannot_pay(tokenizer, drafter):
+    """The draft model is the target itself, so any round would keep its drafts and emit more
+    than one token; a batch that never drafts takes one step a token."""
+    model = tiny_llama(0)
+    kwargs = {"drafter": drafter} if drafter == "prompt-lookup" else {"draft_model": model}
+    policy = BatchAdaptive(4, {b: DEAR for b in range(1, 5)})
+    got = speculative(model, tokenizer, PROMPTS, 20, policy=policy, **kwargs)
+    assert got.token_ids == plain(model, tokenizer, PROMPTS, 20)
+    assert got.stats.generation_steps == 20
+
+
+def test_adaptive_lengths_draft_the_most_where_drafting_pays(tokenizer):
+    model = tiny_llama(0)
+    policy = BatchAdaptive(3, {b: CHEAP for b in range(1, 5)})
+    got = speculative(model, tokenizer, PROMPTS, 22, draft_model=model, policy=policy)
+    assert got.token_ids == plain(model, tokenizer, PROMPTS, 22)
+    assert got.stats.generation_steps == math.ceil(22 / 4)
+
+
+def test_adaptive_lengths_follow_the_batch_size(tokenizer):
+    """Drafting pays for one row, not for four: plain steps while four rows run, then rounds of
+    4 tokens for the last row once the three others have finished (after the plain step
+    already started when they did: 7 plain steps, then 19 tokens in rounds of 4)."""
+    model = tiny_llama(0)
+    max_tokens = [6, 6, 6, 26]
+    policy = BatchAdaptive(3, {1: CHEAP, 4: DEAR})
+    got = speculative(model, tokenizer, PROMPTS, max_tokens, draft_model=model, policy=policy)
+    assert got.token_ids == plain(model, tokenizer, PROMPTS, max_tokens)
+    assert got.stats.generation_steps == 7 + math.ceil(19 / 4)
+
+
+def test_an_adaptive_policy_measures_the_batch_size_it_runs_at(pair, tokenizer):
+    model, draft = pair
+    policy = BatchAdaptive(3)
+    got = speculative(model, tokenizer, PROMPTS, 40, draft_model=draft, policy=policy)
+    assert got.token_ids == plain(model, tokenizer, PROMPTS, 40)
+    assert isinstance(policy.calibrations.get(len(PROMPTS)), mlx_spec.Calibration)
 
 
 def test_eos_inside_a_draft_ends_only_its_sequence():
@@ -102,18 +152,29 @@ def test_eos_inside_a_draft_ends_only_its_sequence():
     eos = TokenizerWrapper(ByteTokenizer(), eos_token_ids=[free[k]])
     want = plain(model, eos, PROMPTS, 24)
     assert want[0] == free[:k]
-    got = speculative(model, eos, PROMPTS, 24, draft_model=model, num_draft_tokens=n)
+    got = speculative(
+        model, eos, PROMPTS, 24, draft_model=model, num_draft_tokens=n, adaptive=False
+    )
     assert got.token_ids == want
 
 
-def test_prompt_caches_hold_the_prompt_and_every_token(pair, tokenizer):
+@pytest.mark.parametrize("lengths", ["adaptive", "fixed", "plain steps"])
+def test_prompt_caches_hold_the_prompt_and_every_token(pair, tokenizer, lengths):
+    """Rows end at different steps: after a round, or a plain step with the next one started."""
     model, draft = pair
+    max_tokens = [15, 9, 12, 15]
+    chosen = {
+        "adaptive": {},
+        "fixed": {"adaptive": False},
+        "plain steps": {"policy": BatchAdaptive(3, {b: DEAR for b in range(1, 5)})},
+    }[lengths]
     want = mlx_lm.batch_generate(
-        model, tokenizer, PROMPTS, max_tokens=15, return_prompt_caches=True
+        model, tokenizer, PROMPTS, max_tokens=max_tokens, return_prompt_caches=True
     ).caches
     got = mlx_spec.batch_generate(
-        model, tokenizer, PROMPTS, max_tokens=15, draft_model=draft, return_prompt_caches=True
-    ).caches
+        model, tokenizer, PROMPTS, max_tokens=max_tokens, draft_model=draft,
+        return_prompt_caches=True, **chosen,
+    ).caches  # fmt: skip
     for mine, theirs in zip(got, want, strict=True):
         for a, b in zip(mine, theirs, strict=True):
             assert a.offset == b.offset
@@ -168,7 +229,7 @@ def test_a_sequence_drafting_more_or_less_draws_the_same_text(tokenizer):
     sampler = mlx_spec.make_sampler(temp=1.0)
     got = speculative(
         model, tokenizer, [PROMPTS[0]] * 2, 24, draft_model=model, num_draft_tokens=[0, 5],
-        sampler=sampler, keys=[mx.random.key(3)] * 2,
+        sampler=sampler, keys=[mx.random.key(3)] * 2, adaptive=False,
     )  # fmt: skip
     assert got.token_ids[0] == got.token_ids[1]
     assert got.stats.generation_steps == 24  # the row that drafts none sets the pace
@@ -252,6 +313,9 @@ def test_the_in_place_probe_holds_on_this_mlx_lm():
         ({"acceptance": "residual"}, "`acceptance`"),
         ({"prefill_step_size": 0}, "`prefill_step_size`"),
         ({"return_token_ids": 1}, "`return_token_ids`"),
+        ({"adaptive": 1}, "`adaptive`"),
+        ({"policy": mlx_spec.Calibration(1.0, 1.0, 1.0)}, "`policy`"),
+        ({"policy": BatchAdaptive(2), "adaptive": False}, "`policy`"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_work(tokenizer, kwargs, named):

@@ -11,6 +11,7 @@ from helpers import PROMPT, run
 from mlx_spec.draft_length import (
     MAX_DRAFT_TOKENS,
     Adaptive,
+    BatchAdaptive,
     Calibration,
     DraftPolicy,
     Fixed,
@@ -179,6 +180,10 @@ def test_fixed_always_drafts_n_and_flushes_replays_that_grew() -> None:
         (lambda: Adaptive(2.0), r"Adaptive: `most`"),
         (lambda: Adaptive(4, calibration=(1, 2, 3)), r"Adaptive: `calibration`"),
         (lambda: Adaptive(4, decay=0.0), r"Adaptive: `decay`"),
+        (lambda: BatchAdaptive(0), r"BatchAdaptive: `most`"),
+        (lambda: BatchAdaptive(4, decay=2.0), r"BatchAdaptive: `decay`"),
+        (lambda: BatchAdaptive(4, {0: FLAT}), r"BatchAdaptive: `calibrations` .* key 0"),
+        (lambda: BatchAdaptive(4, {2: (1, 2, 3)}), r"BatchAdaptive: `calibrations\[2\]`"),
     ],
 )
 def test_policy_arguments_are_checked(make, match) -> None:
@@ -226,3 +231,67 @@ def test_the_adaptive_shorthand_caps_the_policy_at_num_draft_tokens(target) -> N
         max_tokens=120, key=mx.random.key(0),
     )  # fmt: skip
     assert len(stats.drafted_at) <= 2
+
+
+def batch_rows(policy: BatchAdaptive, rates: list[float], caps: list[int]) -> list:
+    """One row a rate: its estimate told 400 rounds kept at that rate, and its situation."""
+    rows = []
+    for rate, cap in zip(rates, caps, strict=True):
+        estimate = policy.sequence()
+        estimate.decay = 1.0
+        kept_with(estimate, rate, rounds=400)
+        rows.append((estimate, Round(cap)))
+    return rows
+
+
+def batch_best_by_hand(rows: list, costs: Calibration, top: int) -> int:
+    """The N that maximises the batch's expected tokens over the round's cost, written out."""
+    rates = [len(rows) / costs.plain]
+    for n in range(1, top + 1):
+        tokens = sum(sum(e.acceptance() ** i for i in range(min(n, r.cap) + 1)) for e, r in rows)
+        rates.append(tokens / (costs.round + costs.token * n))
+    return int(np.argmax(rates))
+
+
+@pytest.mark.parametrize("rates", [[0.9, 0.1], [0.5, 0.5, 0.95, 0.2], [0.99]])
+@pytest.mark.parametrize("caps", [[8, 8, 8, 8], [2, 8, 0, 5]])
+def test_a_batch_takes_the_length_of_the_most_tokens_per_second(rates, caps) -> None:
+    costs = Calibration(plain=2.0, round=2.6, token=0.7)
+    policy = BatchAdaptive(8, {len(rates): costs})
+    rows = batch_rows(policy, rates, caps[: len(rates)])
+    want = batch_best_by_hand(rows, costs, min(8, max(r.cap for _, r in rows)))
+    assert policy.choose(rows) == want
+
+
+def test_a_batch_drafts_at_the_sizes_where_it_pays_and_not_at_others() -> None:
+    # A plain step of 4 rows costs little more than one of 1 row; a round of 4 rows costs 4
+    # times one of 1 row, as where every scored position is computed.
+    small = Calibration(plain=1.0, round=1.1, token=0.1)
+    large = Calibration(plain=1.2, round=4.0, token=1.0)
+    policy = BatchAdaptive(4, {1: small, 4: large})
+    assert policy.choose(batch_rows(policy, [0.8], [4])) > 0
+    assert policy.choose(batch_rows(policy, [0.8] * 4, [4] * 4)) == 0
+
+
+def test_a_batch_with_nothing_to_draft_takes_plain_steps_even_while_measuring() -> None:
+    policy = BatchAdaptive(4)
+    assert policy.choose(batch_rows(policy, [0.9, 0.9], [0, 0])) == 0
+
+
+def test_a_batch_measures_each_size_once_then_keeps_it() -> None:
+    policy = BatchAdaptive(4)
+    rows = batch_rows(policy, [0.9, 0.9], [4, 4])
+    lengths = []
+    while 2 not in policy.calibrations:
+        n = policy.choose(rows)
+        lengths.append(n)
+        # A round of n drafts costs 1 + 0.5 n seconds; a plain step 0.8 (its first 5).
+        first = n == 0 and lengths[-2:-1] != [0]
+        seconds = (5.0 if first else 0.8) if n == 0 else 1.0 + 0.5 * n
+        policy.observe(2, Outcome(n, 0, seconds=seconds, plain=n == 0, first=first))
+        assert len(lengths) < 40
+    assert lengths[:8] == [4, 1] * 4 and set(lengths[8:]) == {0}
+    assert policy.calibrations[2] == Calibration(plain=0.8, round=1.0, token=0.5)
+    assert 3 not in policy.calibrations and policy.choose(batch_rows(policy, [0.9] * 3, [4] * 3))
+    policy.observe(2, Outcome(4, 0, seconds=100.0))
+    assert policy.calibrations[2] == Calibration(plain=0.8, round=1.0, token=0.5)
