@@ -6,7 +6,11 @@ Methods, on the shipped demo pair (``mlx_spec/demo``) at each batch size of ``--
   at once;
 - ``lookup``: :class:`mlx_spec.batch.SpeculativeBatch` with prompt lookup, each request its own
   index;
-- ``draft``: the same with the pair's draft model run as a batch.
+- ``draft``: the same with the pair's draft model run as a batch;
+- ``lookup adaptive`` and ``draft adaptive``: the same with draft lengths that adapt to the load
+  (:class:`mlx_spec.BatchAdaptive`, up to ``--draft-tokens``), one policy per method kept over
+  all its runs, the untimed first uses included, as a server would keep it: a batch size's costs
+  are measured in the first runs that meet it.
 
 A batch of ``B`` requests takes the workload's prompts in turn (``input-grounded``: text that the
 output repeats; ``open``: the demo's prompts), each with its own key where it samples. Every
@@ -40,11 +44,12 @@ from mlx_lm.generate import BatchGenerator
 
 from mlx_spec import _mlx_lm, bench
 from mlx_spec.batch import SpeculativeBatch
+from mlx_spec.draft_length import BatchAdaptive
 from mlx_spec.drafters import PromptLookupDrafter
 from mlx_spec.sampling import make_sampler
 
 WORKLOADS = ("input-grounded", "open")
-METHODS = ("BatchGenerator", "lookup", "draft")
+METHODS = ("BatchGenerator", "lookup", "draft", "lookup adaptive", "draft adaptive")
 #: The method the others are compared with.
 BASELINE = "BatchGenerator"
 
@@ -96,9 +101,17 @@ def baseline(model: nn.Module, eos: list[int], sampler: Any) -> Runner:
     return run
 
 
-def speculative(model: nn.Module, eos: list[int], temp: float, n: int, **drafting: Any) -> Runner:
-    """:class:`mlx_spec.batch.SpeculativeBatch` drafting up to ``n`` tokens a round, with the
-    drafter or draft model of ``drafting``; each request keyed by its place in the batch."""
+def speculative(
+    model: nn.Module,
+    eos: list[int],
+    temp: float,
+    n: int,
+    policy: BatchAdaptive | None = None,
+    **drafting: Any,
+) -> Runner:
+    """:class:`mlx_spec.batch.SpeculativeBatch` drafting ``n`` tokens a round, or up to ``n`` as
+    ``policy`` chooses, with the drafter or draft model of ``drafting``; each request keyed by
+    its place in the batch."""
 
     def run(prompts: list[list[int]], max_tokens: int) -> Timing:
         count = len(prompts)
@@ -108,8 +121,9 @@ def speculative(model: nn.Module, eos: list[int], temp: float, n: int, **draftin
         start = time.perf_counter()
         with mx.stream(_mlx_lm.lm.generation_stream):
             batch = SpeculativeBatch(
-                model, prompts, [n] * count, [max_tokens] * count, eos, samplers, keys, **drafting
-            )
+                model, prompts, [n] * count, [max_tokens] * count, eos, samplers, keys,
+                policy=policy, **drafting,
+            )  # fmt: skip
             while len(batch):
                 timing.see(batch.next(), start)
         return timing
@@ -120,12 +134,17 @@ def speculative(model: nn.Module, eos: list[int], temp: float, n: int, **draftin
 def runners(
     target: nn.Module, draft: nn.Module, eos: list[int], temp: float, n: int
 ) -> dict[str, Runner]:
-    """Each method of :data:`METHODS` at temperature ``temp``, drafting up to ``n`` tokens."""
+    """Each method of :data:`METHODS` at temperature ``temp``, drafting up to ``n`` tokens (the
+    adaptive ones each with one policy for all its runs)."""
     sampler = make_sampler(temp=temp) if temp else None
     return {
         "BatchGenerator": baseline(target, eos, sampler),
         "lookup": speculative(target, eos, temp, n, drafter=PromptLookupDrafter()),
         "draft": speculative(target, eos, temp, n, draft_model=draft),
+        "lookup adaptive": speculative(
+            target, eos, temp, n, BatchAdaptive(n), drafter=PromptLookupDrafter()
+        ),
+        "draft adaptive": speculative(target, eos, temp, n, BatchAdaptive(n), draft_model=draft),
     }
 
 
