@@ -21,6 +21,7 @@ _NEEDS_MLX_LM = {
     "SpeculativeResponse": "generation",
     "SpeculativeStats": "generation",
     "SpeculativeBatch": "batch",
+    "SpeculativeBatchGenerator": "batch",
     "batch_generate": "batch",
     "generate": "generation",
     "speculative_generate_step": "generation",

@@ -19,12 +19,16 @@ position; coupled, while it equals the target's draw with that position's state 
 sequence's own key (:mod:`mlx_spec.keys`), which a draft model's draw at that position shares.
 A sequence's tokens are then what :func:`mlx_spec.speculative_generate_step` gives it alone
 with the same sampler and key, whatever the batch around it and the draft lengths.
+
+:class:`SpeculativeBatchGenerator` is the counterpart of mlx-lm's ``BatchGenerator``: sequences
+join and leave a running :class:`SpeculativeBatch` between its rounds.
 """
 
 from __future__ import annotations
 
 import copy
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +49,7 @@ from .keys import KeyChain, set_global_state
 from .loop import Text, vocab_size
 from .rules import Rule, make_rule
 
-__all__ = ["SpeculativeBatch", "batch_generate", "decide"]
+__all__ = ["SpeculativeBatch", "SpeculativeBatchGenerator", "batch_generate", "decide"]
 
 #: A draft id no target token equals: it fills the draft columns a row does not use.
 NO_DRAFT = 2**32 - 1
@@ -238,6 +242,7 @@ class SpeculativeBatch:
         policy (BatchAdaptive, optional): chooses each round's ``N``, each sequence drafting up
             to ``min(N, draft_lengths[i])``; keep one across batches to keep what it measured.
             Default: none, each sequence drafting ``draft_lengths[i]`` a round.
+        uids (list of int, optional): each sequence's id in responses. Default: ``0 .. B - 1``.
     """
 
     def __init__(
@@ -255,6 +260,7 @@ class SpeculativeBatch:
         prefill_step_size: int = 2048,
         return_prompt_caches: bool = False,
         policy: BatchAdaptive | None = None,
+        uids: list[int] | None = None,
     ) -> None:
         self.model = model
         self.policy = policy
@@ -267,8 +273,14 @@ class SpeculativeBatch:
         rules = [make_rule(s, "coupled", self.vocab) for s in samplers or [None] * count]
         self.sequences = [
             _sequence(uid, prompt, drafter, n, most, rule, key, policy)
-            for uid, (prompt, n, most, rule, key) in enumerate(
-                zip(prompts, draft_lengths, max_tokens, rules, keys or [None] * count, strict=True)
+            for uid, prompt, n, most, rule, key in zip(
+                uids if uids is not None else range(count),
+                prompts,
+                draft_lengths,
+                max_tokens,
+                rules,
+                keys or [None] * count,
+                strict=True,
             )
         ]
         # A sampler that exposes no distribution is called with mx.random's global state set
@@ -380,6 +392,55 @@ class SpeculativeBatch:
             self._ahead = self._start_step(self._last(), 0)
             self._first, self._more = True, True
         return self._step()
+
+    @property
+    def in_flight(self) -> bool:
+        """bool: whether a plain step has been started and not read."""
+        return self._ahead is not None
+
+    def settle(self) -> None:
+        """Ends a stretch of plain steps after the step already started, so that the next
+        :meth:`next` leaves no step in flight (before :meth:`extend`)."""
+        self._more = False
+
+    def extend(self, other: SpeculativeBatch) -> None:
+        """Adds the sequences of ``other`` (made on the same models, nothing run yet) to this
+        batch, at its end.
+
+        Raises:
+            ValueError: a plain step of this batch is in flight (:meth:`settle` first).
+        """
+        if self._ahead is not None:
+            raise ValueError("SpeculativeBatch.extend: a plain step is in flight; settle first")
+        self.sequences += other.sequences
+        self._seeds = self._seeds or other._seeds
+        for mine, theirs in ((self.cache, other.cache), (self.draft_cache, other.draft_cache)):
+            if not mine:
+                mine[:] = theirs
+            else:
+                for layer, joining in zip(mine, theirs, strict=True):
+                    layer.extend(joining)
+
+    def remove(self, uids: Sequence[int], return_prompt_caches: bool = False) -> dict[int, Any]:
+        """Takes sequences ``uids`` out of the batch.
+
+        Args:
+            uids (list of int): ids of sequences in the batch (others are ignored).
+            return_prompt_caches (bool): give each one's caches. Default: ``False``.
+
+        Returns:
+            dict: uid to ``(caches, tokens)``: the target's caches of that sequence alone,
+            holding its prompt and every token it emitted, and those tokens (ints); empty
+            without ``return_prompt_caches``.
+        """
+        gone = set(uids)
+        caches = {}
+        if return_prompt_caches:
+            for s in self.sequences:
+                if s.uid in gone:
+                    caches[s.uid] = (self._final_cache(s.uid), s.text.ids(0))
+        self._filter([i for i, s in enumerate(self.sequences) if s.uid not in gone])
+        return caches
 
     def _last(self) -> mx.array:
         """``[B]`` uint32: each row's last token."""
@@ -503,6 +564,8 @@ class SpeculativeBatch:
         if len(keep) == len(self.sequences):
             return
         self.sequences = [self.sequences[i] for i in keep]
+        if not keep:
+            self._more = False
         if self._ahead is not None:
             rows = mx.array(keep, dtype=mx.int32)
             self._ahead = tuple(part[rows] for part in self._ahead) if keep else None
@@ -804,3 +867,189 @@ def _run(batch: SpeculativeBatch, stats: BatchStats) -> list[list[Response]]:
         for r in responses:
             results[r.uid].append(r)
     return results
+
+
+class SpeculativeBatchGenerator:
+    """Continuous batching with speculation: the counterpart of mlx-lm's ``BatchGenerator``,
+    whose sequences join (:meth:`insert`) and leave (:meth:`remove`, or at their end) while
+    others run.
+
+    Each :meth:`next` first lets waiting sequences join, as many as ``completion_batch_size``
+    leaves room for: they are prefilled together and added to the running
+    :class:`SpeculativeBatch` (once the plain step in flight, if any, is read). It then runs one
+    round, or one plain step, of the whole batch.
+
+    Args:
+        model (nn.Module): the target model; its caches must all be ``KVCache``.
+        draft_model (nn.Module, optional): a draft model, run as a batch. Give it or ``drafter``.
+        drafter (str or PromptLookupDrafter, optional): ``"prompt-lookup"``, or a
+            :class:`mlx_spec.PromptLookupDrafter` each sequence copies.
+        num_draft_tokens (int): the most draft tokens a round, in ``[0, MAX_DRAFT_TOKENS]``.
+            Default: ``3``.
+        adaptive (bool): adapt the draft lengths to the load (:class:`BatchAdaptive`, one for
+            every sequence the generator runs). Default: ``True``.
+        policy (BatchAdaptive, optional): that policy, to keep or give what it measured.
+            Default: a new one.
+        max_tokens (int): tokens a sequence generates unless :meth:`insert` says. Default:
+            ``128``.
+        eos_token_ids (list of int): ids that end a sequence. Default: none.
+        sampler (callable, optional): the sampler of sequences :meth:`insert` gives none.
+            Default: greedy.
+        completion_batch_size (int): the most sequences decoded at once, ``>= 1``. Default:
+            ``32``.
+        prefill_step_size (int): prompt tokens per prefill call, ``>= 1``. Default: ``2048``.
+
+    Raises:
+        ValueError: an argument is of the wrong type or out of range; the message names it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        draft_model: nn.Module | None = None,
+        drafter: str | PromptLookupDrafter | None = None,
+        num_draft_tokens: int = 3,
+        adaptive: bool = True,
+        policy: BatchAdaptive | None = None,
+        max_tokens: int = 128,
+        eos_token_ids: Sequence[int] = (),
+        sampler: Any = None,
+        completion_batch_size: int = 32,
+        prefill_step_size: int = 2048,
+    ) -> None:
+        op = "SpeculativeBatchGenerator"
+        _check_batchable(op, "model", model)
+        self._drafter = _check_drafter(op, draft_model, drafter)
+        self.num_draft_tokens = check_int(
+            op, "num_draft_tokens", num_draft_tokens, 0, MAX_DRAFT_TOKENS
+        )
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"{op}: `adaptive` must be a bool, got {adaptive!r}")
+        if policy is not None and (not isinstance(policy, BatchAdaptive) or not adaptive):
+            raise ValueError(
+                f"{op}: `policy` must be a BatchAdaptive with adaptive=True, got {policy!r}"
+            )
+        if adaptive and policy is None and num_draft_tokens:
+            policy = BatchAdaptive(num_draft_tokens)
+        self.policy = policy if adaptive else None
+        self.max_tokens = check_int(op, "max_tokens", max_tokens, 1)
+        self.sampler = _check_samplers(op, sampler, 1)[0]
+        self.completion_batch_size = check_int(
+            op, "completion_batch_size", completion_batch_size, 1
+        )
+        self.prefill_step_size = check_int(op, "prefill_step_size", prefill_step_size, 1)
+        self.model = model
+        self.draft_model = draft_model
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self._uids = 0
+        # Sequences waiting to join: (uid, prompt, max_tokens, sampler, key).
+        self._waiting: deque[tuple[int, list[int], int, Any, mx.array | None]] = deque()
+        self._batch: SpeculativeBatch | None = None
+
+    def __len__(self) -> int:
+        """int: the sequences running or waiting."""
+        return len(self._waiting) + (len(self._batch) if self._batch is not None else 0)
+
+    def insert(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_tokens: int | Sequence[int] | None = None,
+        samplers: Sequence[Any] | None = None,
+        keys: Sequence[mx.array | None] | None = None,
+    ) -> list[int]:
+        """Queues sequences to join the batch at the next :meth:`next`.
+
+        Args:
+            prompts (list of list of int): ``[L_i]`` token ids each, ``L_i >= 1``.
+            max_tokens (int or list of int, optional): tokens each generates, ``>= 1``.
+                Default: the generator's.
+            samplers (list, optional): one sampler (or ``None``: greedy) per prompt. Default:
+                the generator's.
+            keys (list of array, optional): one ``[2]`` uint32 key per prompt (``None`` for a
+                greedy one). Default: drawn from ``mx.random``'s global state, as
+                :func:`batch_generate` draws them.
+
+        Returns:
+            list of int: each sequence's uid, numbered on from the last inserted.
+
+        Raises:
+            ValueError: an argument is of the wrong type, length or range; the message names it.
+        """
+        op = "SpeculativeBatchGenerator.insert"
+        ids = _check_prompts(op, prompts, vocab_size(self.model))
+        most = _per_prompt(op, "max_tokens", max_tokens or self.max_tokens, len(ids), 1, None)
+        chosen = _check_samplers(
+            op, [self.sampler] * len(ids) if samplers is None else samplers, len(ids)
+        )
+        rules = [make_rule(s, "coupled", vocab_size(self.model)) for s in chosen]
+        drawn = _check_keys(op, keys, rules)
+        uids = list(range(self._uids, self._uids + len(ids)))
+        self._uids += len(ids)
+        self._waiting.extend(zip(uids, ids, most, chosen, drawn, strict=True))
+        return uids
+
+    def remove(self, uids: Sequence[int], return_prompt_caches: bool = False) -> dict[int, Any]:
+        """Takes sequences out, waiting or running, as mlx-lm's ``BatchGenerator.remove``.
+
+        Args:
+            uids (list of int): the sequences' uids (unknown ones are ignored).
+            return_prompt_caches (bool): give each one's caches. Default: ``False``.
+
+        Returns:
+            dict: uid to ``(caches, tokens)``: the target's caches of that sequence alone and
+            the ``int`` tokens they hold, its prompt and every token it yielded (for a sequence
+            still waiting: new empty caches and no tokens); empty without
+            ``return_prompt_caches``.
+        """
+        gone = set(uids)
+        caches: dict[int, Any] = {}
+        for waiting in [w for w in self._waiting if w[0] in gone]:
+            self._waiting.remove(waiting)
+            if return_prompt_caches:
+                caches[waiting[0]] = (make_prompt_cache(self.model), [])
+        if self._batch is not None:
+            with mx.stream(_mlx_lm.lm.generation_stream):
+                caches.update(self._batch.remove(list(gone), return_prompt_caches))
+        return caches
+
+    def next(self) -> list[Response]:
+        """Lets waiting sequences join, then runs one round or plain step of the batch.
+
+        Returns:
+            list: a ``GenerationBatch.Response`` for each token emitted (none while nothing
+            runs), as :meth:`SpeculativeBatch.next` gives them.
+        """
+        with mx.stream(_mlx_lm.lm.generation_stream):
+            running = len(self._batch) if self._batch is not None else 0
+            if self._waiting and running < self.completion_batch_size:
+                if self._batch is not None and self._batch.in_flight:
+                    self._batch.settle()
+                else:
+                    self._join(self.completion_batch_size - running)
+            return self._batch.next() if self._batch is not None else []
+
+    def _join(self, room: int) -> None:
+        """Prefills up to ``room`` waiting sequences and adds them to the batch."""
+        joining = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+        uids, prompts, most, samplers, keys = (
+            list(column) for column in zip(*joining, strict=True)
+        )
+        batch = SpeculativeBatch(
+            self.model,
+            prompts,
+            [self.num_draft_tokens] * len(prompts),
+            most,
+            self.eos_token_ids,
+            samplers,
+            keys,
+            draft_model=self.draft_model,
+            drafter=self._drafter,
+            prefill_step_size=self.prefill_step_size,
+            policy=self.policy,
+            uids=uids,
+        )
+        if self._batch is None or not len(self._batch):
+            self._batch = batch
+        else:
+            self._batch.extend(batch)

@@ -15,7 +15,8 @@ import mlx_lm
 import numpy as np
 import pytest
 from helpers import ByteTokenizer
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from tiny_models import cut, tiny_llama, tiny_qwen2
 
@@ -331,3 +332,107 @@ def test_models_whose_caches_do_not_batch_are_refused(tokenizer):
 
     with pytest.raises(ValueError, match=r"`model` has caches of .*RotatingKVCache"):
         mlx_spec.batch_generate(tiny_gemma3(0), tokenizer, [[1, 2]], drafter="prompt-lookup")
+
+
+def drive(insert, remove, step, max_tokens):
+    """Runs a batch generator through one join and leave schedule: A and B at once; C, the
+    longest prompt, joins once A has 4 tokens; D, a single token, once C has one; B leaves once
+    it has 6, with its caches. Returns each sequence's tokens and B's ``(caches, tokens)``."""
+    names = dict(zip(insert([PROMPTS[0], PROMPTS[2]], max_tokens[:2]), "AB", strict=True))
+    out = {name: [] for name in "ABCD"}
+    left = None
+    for _ in range(400):
+        responses = step()
+        for r in responses:
+            out[names[r.uid]].append(r.token)
+        if "C" not in names.values() and len(out["A"]) >= 4:
+            names[insert([PROMPTS[3]], max_tokens[2:3])[0]] = "C"
+        if "D" not in names.values() and out["C"]:
+            names[insert([PROMPTS[1]], max_tokens[3:])[0]] = "D"
+        if left is None and len(out["B"]) >= 6:
+            b = next(uid for uid, name in names.items() if name == "B")
+            left = remove([b], return_prompt_caches=True)[b]
+        if not responses and "D" in names.values():
+            return out, left
+    raise AssertionError("the schedule did not end")
+
+
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "draft-model"])
+@pytest.mark.parametrize("lengths", ["adaptive", "fixed", "plain steps"])
+def test_sequences_join_and_leave_as_in_mlx_lms_batch_generator(tokenizer, drafter, lengths):
+    model = tiny_llama(0)
+    max_tokens = [24, 40, 18, 20]
+    eos = list(tokenizer.eos_token_ids)
+    theirs = BatchGenerator(model, stop_tokens=[[t] for t in eos])
+    want, _ = drive(theirs.insert, theirs.remove, theirs.next_generated, max_tokens)
+    theirs.close()
+    chosen = {
+        "adaptive": {},
+        "fixed": {"adaptive": False},
+        "plain steps": {"policy": BatchAdaptive(3, {b: DEAR for b in range(1, 5)})},
+    }[lengths]
+    drafting = (
+        {"drafter": drafter} if drafter == "prompt-lookup" else {"draft_model": cut(model, 1)}
+    )
+    mine = mlx_spec.SpeculativeBatchGenerator(model, eos_token_ids=eos, **drafting, **chosen)
+    got, (caches, held) = drive(mine.insert, mine.remove, mine.next, max_tokens)
+    assert [got[k] for k in "ACD"] == [want[k] for k in "ACD"]
+    # B left after at least 6 tokens, which a round may pass: a prefix of its whole output.
+    whole = plain(model, tokenizer, [PROMPTS[2]], max_tokens[1])[0]
+    assert len(got["B"]) >= 6 and got["B"] == whole[: len(got["B"])]
+    assert held == PROMPTS[2] + got["B"]
+    fresh = make_prompt_cache(model)
+    model(mx.array([held]), cache=fresh)
+    for a, b in zip(caches, fresh, strict=True):
+        assert a.offset == b.offset == len(held)
+        np.testing.assert_allclose(
+            np.array(a.keys[..., : a.offset, :]), np.array(b.keys[..., : b.offset, :]), atol=1e-4
+        )
+
+
+@pytest.mark.parametrize(
+    ("make", "named"),
+    [
+        (lambda m: mlx_spec.SpeculativeBatchGenerator(m, drafter="lookup"), "`drafter`"),
+        (lambda m: mlx_spec.SpeculativeBatchGenerator(m), "`draft_model` and `drafter`"),
+        (
+            lambda m: mlx_spec.SpeculativeBatchGenerator(
+                m, drafter="prompt-lookup", completion_batch_size=0
+            ),
+            "`completion_batch_size`",
+        ),
+        (
+            lambda m: mlx_spec.SpeculativeBatchGenerator(
+                m, drafter="prompt-lookup", policy=BatchAdaptive(2), adaptive=False
+            ),
+            "`policy`",
+        ),
+        (
+            lambda m: mlx_spec.SpeculativeBatchGenerator(m, drafter="prompt-lookup").insert([]),
+            "`prompts`",
+        ),
+        (
+            lambda m: mlx_spec.SpeculativeBatchGenerator(m, drafter="prompt-lookup").insert(
+                [[1], [2]], max_tokens=[3]
+            ),
+            "`max_tokens`",
+        ),
+    ],
+)
+def test_bad_generator_arguments_are_refused(make, named):
+    with pytest.raises(ValueError, match=r"SpeculativeBatchGenerator") as error:
+        make(tiny_llama(0))
+    assert named in str(error.value)
+
+
+def test_a_sequence_removed_before_it_joins_yields_nothing(tokenizer):
+    model = tiny_llama(0)
+    generator = mlx_spec.SpeculativeBatchGenerator(model, drafter="prompt-lookup")
+    first, second = generator.insert([PROMPTS[0], PROMPTS[2]], max_tokens=8)
+    caches, held = generator.remove([second], return_prompt_caches=True)[second]
+    assert held == [] and all(layer.offset == 0 for layer in caches)
+    tokens = []
+    while responses := generator.next():
+        assert {r.uid for r in responses} == {first}
+        tokens += [r.token for r in responses]
+    assert tokens == plain(model, tokenizer, [PROMPTS[0]], 8)[0]
