@@ -344,16 +344,20 @@ def _quantize(head: MTPHead, chosen: dict[str, dict[str, Any]]) -> None:
         nn.quantize(head, class_predicate=lambda path, module: chosen.get(path, False))
 
 
-def _cast(head: MTPHead, model: nn.Module) -> None:
-    """Casts ``head``'s floating-point weights to ``model``'s dtype (the most common among its
-    floating-point weights), as ``mlx_lm.convert`` casts the target's (``cast_predicate``
-    permitting)."""
+def _dtype(model: nn.Module) -> mx.Dtype | None:
+    """``model``'s dtype: the most common among its floating-point weights (``None``: none)."""
     floats = Counter(
         w.dtype for _, w in tree_flatten(model.parameters()) if mx.issubdtype(w.dtype, mx.floating)
     )
-    if not floats:
+    return floats.most_common(1)[0][0] if floats else None
+
+
+def _cast(head: MTPHead, model: nn.Module) -> None:
+    """Casts ``head``'s floating-point weights to ``model``'s dtype (:func:`_dtype`), as
+    ``mlx_lm.convert`` casts the target's (``cast_predicate`` permitting)."""
+    dtype = _dtype(model)
+    if dtype is None:
         return
-    dtype = floats.most_common(1)[0][0]
     keep = getattr(model, "cast_predicate", lambda path: True)
     head.update(
         tree_unflatten(
@@ -614,6 +618,25 @@ def save_head(head: MTPHead, mlx_dir: str | os.PathLike) -> Path:
 # -- loading ----------------------------------------------------------------------------------
 
 
+def _dequantize(head: MTPHead, dtype: mx.Dtype) -> None:
+    """Replaces each quantized linear layer of ``head`` by a linear layer of its dequantized
+    weights in ``dtype``."""
+    plain = []
+    for path, m in head.named_modules():
+        if isinstance(m, nn.QuantizedLinear):
+            mode = getattr(m, "mode", "affine")
+            weight = mx.dequantize(
+                m.weight, m.scales, m.get("biases"), m.group_size, m.bits, mode=mode
+            ).astype(dtype)
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in m)
+            linear.weight = weight
+            if "bias" in m:
+                linear.bias = m.bias
+            plain.append((path, linear))
+    if plain:
+        head.update_modules(tree_unflatten(plain))
+
+
 def _head_from_file(model: nn.Module, config: dict[str, Any], file: Path) -> MTPHead | None:
     """The head :func:`convert_mtp` wrote into ``file``, for ``model``."""
     arrays, metadata = mx.load(str(file), return_metadata=True)
@@ -634,9 +657,19 @@ def _head_from_file(model: nn.Module, config: dict[str, Any], file: Path) -> MTP
         )
     layout = metadata["layout"]
     head = _empty_head(model, layout, int(metadata["layers"]))
-    _quantize(head, json.loads(metadata["quantization"]))
+    quantization = json.loads(metadata["quantization"])
+    _quantize(head, quantization)
     _fill("load", head, arrays, file)
+    dtype = _dtype(model)
+    if quantization and dtype is not None and not any(_is_quantized(m) for m in model.modules()):
+        # Quantized to ship small: beside a target of floating-point layers it runs as they do
+        # (MLX's CPU backend runs quantized layers far slower than floating-point ones).
+        _dequantize(head, dtype)
     return head
+
+
+def _is_quantized(module: nn.Module) -> bool:
+    return hasattr(module, "bits") and hasattr(module, "group_size")
 
 
 def _has_mtp(folder: Path, config: dict[str, Any]) -> bool:
@@ -684,9 +717,11 @@ def load(
     The head comes from the folder's :data:`FILE` (an MLX folder after
     ``mlx-spec convert-mtp``), or, for a Hugging Face folder that holds the whole original
     checkpoint, from its MTP weights, prepared in memory as :func:`convert_mtp` prepares them
-    (and, like the rest of the model, neither cast nor quantized). A folder without either loads
-    as mlx-lm loads it, with no head; a :data:`FILE` that another tool wrote is left aside with
-    a warning.
+    (and, like the rest of the model, neither cast nor quantized). A quantized head beside a
+    model with no quantized layer (one quantized only to be small on disk, as the demo target's
+    is) is dequantized to the model's dtype, to run as the model's own layers do. A folder
+    without either loads as mlx-lm loads it, with no head; a :data:`FILE` that another tool wrote
+    is left aside with a warning.
 
     Args:
         path_or_hf_repo (str or PathLike): a local model folder, or a repository name mlx-lm

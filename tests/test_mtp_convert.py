@@ -324,8 +324,11 @@ def test_a_head_of_ones_own_is_saved_and_loaded(quantized, tmp_path):
     assert save_head(head, tmp_path / "llama") == tmp_path / "llama" / FILE
     loaded = loaded_head(tmp_path / "llama")
     assert (loaded.layout, len(loaded.layers)) == ("deepseek", 2)
-    assert quantized_modules(loaded) == quantized_modules(head)
-    assert_same_weights(weights(loaded), weights(head))
+    # A quantized head beside a model of floating-point layers is loaded dequantized, in the
+    # model's dtype: the weights its quantized layers compute with.
+    assert quantized_modules(loaded) == {}
+    want = dequantized(tmp_path / "llama" / FILE) if quantized else weights(head)
+    assert_same_weights(weights(loaded), want)
 
 
 def test_load_is_mlx_lm_load_plus_the_head(folders):
@@ -369,16 +372,36 @@ def test_greedy_mtp_drafts_give_plain_mlx_lm_decoding(family, folder, folders):
     assert 20 <= stats.accepted <= stats.drafted - 20, (stats.accepted, stats.drafted)
 
 
+def dequantized(file: Path) -> dict[str, mx.array]:
+    """The weights of the head saved in ``file``, each quantized matrix dequantized as the file's
+    metadata says, in the dtype of its norms (the model's)."""
+    saved, metadata = mx.load(str(file), return_metadata=True)
+    dtype = next(w.dtype for k, w in saved.items() if "norm" in k)
+    out = {k: w for k, w in saved.items() if not k.endswith((".scales", ".biases"))}
+    for path, q in json.loads(metadata["quantization"]).items():
+        out[f"{path}.weight"] = mx.dequantize(
+            saved[f"{path}.weight"],
+            saved[f"{path}.scales"],
+            saved.get(f"{path}.biases"),
+            q["group_size"],
+            q["bits"],
+            mode=q["mode"],
+        ).astype(dtype)
+    return out
+
+
 def test_the_demo_targets_shipped_head_drafts_plain_greedy_decoding():
-    # The shipped head is quantized beside a bfloat16 target: both load, and the text over a few
-    # hundred tokens is plain decoding's, with drafts kept and rejected many times.
+    # The shipped head is quantized beside a bfloat16 target: it loads dequantized, and the text
+    # over a few hundred tokens is plain decoding's, with drafts kept and rejected many times.
     from mlx_spec._demo import DEMO_DIR, PROMPTS
 
+    _, metadata = mx.load(str(DEMO_DIR / "target" / FILE), return_metadata=True)
+    shipped = json.loads(metadata["quantization"])
+    assert shipped and {q["bits"] for q in shipped.values()} == {8}
     model, tokenizer = load(DEMO_DIR / "target")
     head = head_of(model)
     assert head is not None
-    assert {bits for bits, _, _ in quantized_modules(head).values()} == {8}
-    assert quantized_modules(model) == {}
+    assert quantized_modules(head) == {} and quantized_modules(model) == {}
     prompt = mx.array(tokenizer.encode(PROMPTS[1]), dtype=mx.uint32)
     plain = [t for t, _ in generate_step(prompt, model, max_tokens=300)]
     stats = mlx_spec.SpeculativeStats()
@@ -569,8 +592,11 @@ def test_generate_mtp_of_a_model_without_a_head_is_one_line_saying_how_to_add_on
     status, out, err = mtp_generate(tmp_path / "bare")
     assert (status, out, err.count("\n")) == (2, "", 1), err
     assert "has no MTP head" in err and "mlx-spec convert-mtp HF_DIR MLX_DIR" in err
-    # A model of a family that ships no head: the same line says so.
-    status, out, err = mtp_generate(TOKENIZER)
+    # A model of a family that ships no head (the demo target without its own): the same line
+    # says so.
+    shutil.copytree(TOKENIZER, tmp_path / "llama")
+    (tmp_path / "llama" / FILE).unlink()
+    status, out, err = mtp_generate(tmp_path / "llama")
     assert (status, out, err.count("\n")) == (2, "", 1), err
     assert "llama models ship none" in err and "mlx-spec convert-mtp HF_DIR MLX_DIR" in err
 
