@@ -1,8 +1,9 @@
 """Does speculation pay in generation? Every method interleaved; first use and steady state.
 
 Methods (:func:`mlx_spec.bench.methods`): plain decoding (mlx-lm's ``generate_step``), mlx-lm's
-speculative loop, and mlx-spec with the pair's draft model and with prompt lookup, each at every
-fixed ``N`` of ``--drafts`` and adaptive up to 8. After a warm-up on a prompt of its own, each
+speculative loop, and mlx-spec with the pair's draft model, with prompt lookup and, where the
+target has an MTP head (the demo target ships one), with that head, each at every fixed ``N`` of
+``--drafts`` and adaptive up to 8. After a warm-up on a prompt of its own, each
 method runs on every prompt twice in a row (:func:`mlx_spec.bench.measure`): the first run is its
 first use of that prompt's shapes (on MLX's CUDA backend each new shape of an attention call first
 builds a cuDNN graph), the second the steady state. The table gives the second run's tokens/s,
@@ -291,6 +292,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workload", choices=WORKLOADS, nargs="+", default=list(WORKLOADS))
     parser.add_argument("--temps", type=float, nargs="+", default=[0.0, 0.8])
     parser.add_argument("--drafts", type=int, nargs="+", help="fixed N (default: 1 2 4 8)")
+    parser.add_argument(
+        "--mtp-drafts",
+        type=int,
+        nargs="+",
+        help="fixed N of a target's MTP head, where it has one (default: 1 2 3 4)",
+    )
     parser.add_argument("--prompts", type=int, help="prompts per workload (default: 4)")
     parser.add_argument("--tokens", type=int, help="tokens per generation (default: 128)")
     parser.add_argument(
@@ -325,6 +332,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "workloads": args.workload,
         "temps": args.temps,
         "drafts": args.drafts or ([2] if args.quick else [1, 2, 4, 8]),
+        "mtp_drafts": args.mtp_drafts or ([2] if args.quick else [1, 2, 3, 4]),
         "adaptive_most": ADAPTIVE_MOST,
         "prompts": args.prompts or (1 if args.quick else 4),
         "max_tokens": args.tokens or (16 if args.quick else 128),
@@ -334,7 +342,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     drafts, max_tokens = settings["drafts"], settings["max_tokens"]
     pair = build_pair(args.pair, settings["prompts"])
     workloads = {k: pair.workloads[k] for k in args.workload}
-    methods = bench.methods(pair.target, pair.draft, drafts, ADAPTIVE_MOST)
+    methods = bench.methods(
+        pair.target, pair.draft, drafts, ADAPTIVE_MOST, mtp_drafts=settings["mtp_drafts"]
+    )
     if args.variants:
         methods += bench.variants(pair.target, pair.draft, args.variants)
     if pair.twin is not None:

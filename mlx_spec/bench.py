@@ -38,6 +38,7 @@ from ._mlx_lm import lm
 from .draft_length import Adaptive, Fixed
 from .drafters import Drafter
 from .generation import SpeculativeStats, speculative_generate_step
+from .mtp import head_of
 from .sampling import make_sampler
 
 Generate = Callable[[mx.array, float, int, int], SpeculativeStats]
@@ -60,8 +61,8 @@ class Method:
         name (str): its label, unique within a run.
         generate (Generate): runs one generation and returns its counts.
         drafter (str): ``"plain"``, ``"mlx-lm"`` (mlx-lm's loop with a draft model), ``"draft"``
-            (mlx-spec with a draft model), ``"lookup"`` (mlx-spec with prompt lookup), or the
-            label of another drafter.
+            (mlx-spec with a draft model), ``"lookup"`` (mlx-spec with prompt lookup), ``"mtp"``
+            (mlx-spec with the target's MTP head), or the label of another drafter.
         n (int): the most draft tokens a round (0 for plain decoding).
         adaptive (bool): whether each round chooses its draft length.
         model (str): the target it runs on: ratios compare methods of the same target.
@@ -175,11 +176,12 @@ def mlx_spec(
     """mlx-spec's loop with :func:`mlx_spec.sampling.make_sampler` and ``key=mx.random.key(seed)``,
     ``num_draft_tokens=n`` (with ``adaptive``, one :class:`~mlx_spec.draft_length.Adaptive` for
     all its generations), and ``draft`` (a model: ``"draft"``) or ``drafter``
-    (``"prompt-lookup"``: ``"lookup"``, or a function that builds a drafter for a prompt).
+    (``"prompt-lookup"``: ``"lookup"``; ``"mtp"``, the target's MTP head: ``"mtp"``; or a
+    function that builds a drafter for a prompt).
     ``acceptance`` other than coupled, or ``fused=False`` (the fused CUDA kernels turned off),
     label the drafter too (``"draft residual"``, ``"lookup, no kernels"``), so that a table
     compares each with its own kind."""
-    kind = "draft" if draft is not None else "lookup"
+    kind = "draft" if draft is not None else "mtp" if drafter == "mtp" else "lookup"
     kind += f" {acceptance}" if acceptance != "coupled" else ""
     kind += ", no kernels" if not fused else ""
     # One policy for all of the method's generations, as a caller keeps it: it measures what
@@ -210,10 +212,16 @@ def mlx_spec(
 
 
 def methods(
-    target: nn.Module, draft: nn.Module | None, drafts: Sequence[int], most: int = 8
+    target: nn.Module,
+    draft: nn.Module | None,
+    drafts: Sequence[int],
+    most: int = 8,
+    mtp_drafts: Sequence[int] | None = None,
 ) -> list[Method]:
     """Plain decoding; with a draft model, mlx-lm's loop and mlx-spec's at each fixed ``N`` in
-    ``drafts`` and adaptive up to ``most``; mlx-spec's prompt lookup likewise."""
+    ``drafts`` and adaptive up to ``most``; mlx-spec's prompt lookup likewise; and, where the
+    target has an MTP head (:func:`mlx_spec.load`), mlx-spec drafting with it at each fixed ``N``
+    in ``mtp_drafts`` (default: ``drafts``) and adaptive up to ``most``."""
     out = [plain(target)]
     if draft is not None:
         out += [mlx_lm(target, draft, n) for n in drafts]
@@ -221,6 +229,9 @@ def methods(
         out.append(mlx_spec(target, most, draft=draft, adaptive=True))
     out += [mlx_spec(target, n, drafter="prompt-lookup") for n in drafts]
     out.append(mlx_spec(target, most, drafter="prompt-lookup", adaptive=True))
+    if head_of(target) is not None:
+        out += [mlx_spec(target, n, drafter="mtp") for n in mtp_drafts or drafts]
+        out.append(mlx_spec(target, most, drafter="mtp", adaptive=True))
     return out
 
 
@@ -437,6 +448,7 @@ DRAFTERS = {
     "mlx-lm": "mlx-lm",
     "draft": "draft model",
     "lookup": "prompt lookup",
+    "mtp": "MTP head",
 }
 """How :func:`verdicts` and :func:`plot` name each ``Method.drafter``."""
 
@@ -574,7 +586,13 @@ def report(lines: Sequence[dict[str, Any]]) -> str:
     return "\n".join([said, head, *(f"- {verdict}" for verdict in verdicts(lines))])
 
 
-COLORS = {"plain": "0.35", "mlx-lm": "tab:orange", "draft": "tab:blue", "lookup": "tab:green"}
+COLORS = {
+    "plain": "0.35",
+    "mlx-lm": "tab:orange",
+    "draft": "tab:blue",
+    "lookup": "tab:green",
+    "mtp": "tab:red",
+}
 
 
 def plot(lines: Sequence[dict[str, Any]], path: Path, title: str) -> None:
@@ -655,10 +673,13 @@ def plot(lines: Sequence[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def load_demo_pair() -> tuple[nn.Module, nn.Module, Any]:
-    """The shipped pair: ``(target, draft, tokenizer)``, loaded with ``mlx_lm.load``."""
+    """The shipped pair: ``(target, draft, tokenizer)``, loaded with ``mlx_lm.load``; the target
+    with :func:`mlx_spec.load`, which attaches its MTP head."""
     from mlx_lm import load
 
-    target, tokenizer = load(str(DEMO_DIR / "target"))
+    from .mtp_convert import load as load_with_head
+
+    target, tokenizer = load_with_head(str(DEMO_DIR / "target"))
     draft, _ = load(str(DEMO_DIR / "draft"))
     return target, draft, tokenizer
 

@@ -40,21 +40,23 @@ def script(name: str, *args: str, timeout: float = 600) -> subprocess.CompletedP
     ids=["open", "both"],
 )
 def test_generation_quick_on_the_demo_pair(tmp_path, capsys, workloads):
-    # --quick at 8 tokens a generation instead of 16: the table's checks are the same. The quick
+    # --quick at 6 tokens a generation instead of 16 (the MTP head adds two methods): the
+    # table's checks are the same. The quick
     # run takes the open workload alone, whose prompts are a dozen tokens (an input-grounded one
     # runs to 184, and its prefills take most of the time on a CPU); --full both. In-process:
     # plain_steps below starts the one subprocess a benchmark needs.
     out = tmp_path / "rows.json"
-    argv = ["--pair", "demo", "--quick", "--tokens", "8", "--workload", *workloads]
+    argv = ["--pair", "demo", "--quick", "--tokens", "6", "--workload", *workloads]
     benchmark("generation").main([*argv, "--json", str(out)])
     printed = capsys.readouterr().out
     results = json.loads(out.read_text())
     rows = results["rows"]
     names = ["plain", "mlx-lm N=2", "draft N=2", "draft adaptive", "lookup N=2", "lookup adaptive"]
+    names += ["mtp N=2", "mtp adaptive"]  # the shipped target has an MTP head
     assert sorted({r["name"] for r in rows}) == sorted(names)
     assert sorted({r["workload"] for r in rows}) == sorted(workloads)
     assert len(rows) == len(workloads) * 2 * len(names) * 2  # workloads, temperatures, phases
-    assert all(r["generated"] == 8 for r in rows)
+    assert all(r["generated"] == 6 for r in rows)
     assert_generation_table(printed, rows)
     assert results["replay"] == []
 

@@ -1,9 +1,9 @@
 """The ``mlx-spec`` command (also ``python -m mlx_spec``): a dispatcher to one module per command.
 
 - ``mlx-spec demo`` (:mod:`.demo`): the shipped model pair streams completions of an
-  input-grounded and an open prompt, drafting with the draft model and with prompt lookup, the
-  accepted draft tokens marked; then a table compares plain decoding, mlx-lm's speculative
-  decoding and mlx-spec with each drafter.
+  input-grounded and an open prompt, drafting with the draft model, with prompt lookup and with
+  the target's MTP head, the accepted draft tokens marked; then a table compares plain decoding,
+  mlx-lm's speculative decoding and mlx-spec with each drafter.
 - ``mlx-spec generate --model M (--draft-model D | --prompt-lookup | --mtp) --prompt P``
   (:mod:`.generate`): any mlx-lm model, streamed, with the speculation's counts at the end and how
   often each draft position was kept.

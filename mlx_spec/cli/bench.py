@@ -1,11 +1,11 @@
 """``mlx-spec bench``: generation on the shipped pair, methods interleaved, as a table and JSON.
 
-Plain decoding, mlx-lm's speculative decoding, and mlx-spec with the draft model and with prompt
-lookup, at fixed draft lengths and adaptive, on an input-grounded and an open workload at
-temperature 0 and 0.8 (:mod:`mlx_spec.bench`), over several passes: the table gives the median
-and range of each method's tokens/s and of its ratio to plain decoding, a line says whether the
-machine held still enough for a verdict, and a line per drafter gives it; with matplotlib, a plot
-of tokens/s against tokens per round.
+Plain decoding, mlx-lm's speculative decoding, and mlx-spec with the draft model, with prompt
+lookup and with the target's MTP head, at fixed draft lengths and adaptive, on an input-grounded
+and an open workload at temperature 0 and 0.8 (:mod:`mlx_spec.bench`), over several passes: the
+table gives the median and range of each method's tokens/s and of its ratio to plain decoding, a
+line says whether the machine held still enough for a verdict, and a line per drafter gives it;
+with matplotlib, a plot of tokens/s against tokens per round.
 """
 
 from __future__ import annotations
@@ -21,10 +21,17 @@ from ._common import CliError, Parser, Progress, run, shown, utf8_text
 
 TEMPS = (0.0, 0.8)
 SETTINGS = {
-    False: {"drafts": (1, 2, 4, 8), "prompts": 4, "max_tokens": 128, "repeats": 3},
-    True: {"drafts": (2,), "prompts": 1, "max_tokens": 32, "repeats": 3},
+    False: {
+        "drafts": (1, 2, 4, 8),
+        "mtp_drafts": (1, 2, 3, 4),
+        "prompts": 4,
+        "max_tokens": 128,
+        "repeats": 3,
+    },
+    True: {"drafts": (2,), "mtp_drafts": (2,), "prompts": 1, "max_tokens": 32, "repeats": 3},
 }
-"""The draft lengths, prompts per workload, tokens per generation and passes over the prompts
+"""The draft lengths (those of the MTP head apart: a head's chained guesses fade faster than a
+draft model's), prompts per workload, tokens per generation and passes over the prompts
 (:func:`mlx_spec.bench.measure`), full and ``--quick``."""
 PLOT = "plot.png"
 """The plot's file in ``--out``."""
@@ -36,13 +43,13 @@ def setup_arg_parser() -> Parser:
         prog="mlx-spec bench",
         description=(
             "Measures generation on the shipped pair: plain decoding, mlx-lm's speculative "
-            "decoding, and mlx-spec with the draft model and with prompt lookup (fixed draft "
-            "lengths and adaptive), interleaved, on an input-grounded and an open workload at "
-            "temperature 0 and 0.8, over several passes (the first runs each method twice: first "
-            "use, steady state); writes results.json and, with matplotlib, plot.png (tokens/s "
-            "against tokens per round), and prints a table of tokens/s and ratios (median and "
-            "range over the passes), whether the machine was quiet enough for a verdict, and a "
-            "verdict per drafter."
+            "decoding, and mlx-spec with the draft model, with prompt lookup and with the "
+            "target's MTP head (fixed draft lengths and adaptive), interleaved, on an "
+            "input-grounded and an open workload at temperature 0 and 0.8, over several passes "
+            "(the first runs each method twice: first use, steady state); writes results.json "
+            "and, with matplotlib, plot.png (tokens/s against tokens per round), and prints a "
+            "table of tokens/s and ratios (median and range over the passes), whether the machine "
+            "was quiet enough for a verdict, and a verdict per drafter."
         ),
     )
     parser.add_argument(
@@ -116,7 +123,9 @@ def _measure(out: Path, quick: bool, progress: Progress) -> dict[str, Any]:
     bench.write_json(results, path)
     progress.note("loading the demo pair, warm-up")
     target, draft, tokenizer = bench.load_demo_pair()
-    methods = bench.methods(target, draft, settings["drafts"])
+    methods = bench.methods(
+        target, draft, settings["drafts"], mtp_drafts=settings.get("mtp_drafts")
+    )
     bench.warm_up(methods, mx.array(tokenizer.encode(WARM_UP)), TEMPS)
     workloads = bench.demo_workloads(tokenizer, settings["prompts"])
     bench.measure(

@@ -1,7 +1,8 @@
 """``mlx-spec demo``: speculative decoding on the shipped model pair, with no download.
 
 On an input-grounded prompt (text the output repeats) and an open one, at two temperatures, the
-draft model and prompt lookup stream completions with the accepted draft tokens marked; then a
+draft model, prompt lookup and the target's own MTP head (where the shipped target has one) stream
+completions with the accepted draft tokens marked; then a
 table compares plain decoding, mlx-lm's speculative decoding and mlx-spec with each drafter, over
 :data:`REPEATS` interleaved runs: the median and range of each one's tokens/s and of its ratio to
 plain decoding, whether the machine held still enough for a verdict (from plain decoding's own
@@ -48,9 +49,10 @@ def setup_arg_parser() -> Parser:
         description=(
             "On the tiny model pair shipped with mlx-spec, streams completions of an "
             "input-grounded prompt (text the output repeats) and of an open prompt at "
-            "temperature 0 and 0.8, drafting with the draft model and with prompt lookup, and "
-            "marks the draft tokens the target accepted; then measures plain decoding, mlx-lm's "
-            "speculative decoding and mlx-spec with each drafter on the same prompts."
+            "temperature 0 and 0.8, drafting with the draft model, with prompt lookup and with "
+            "the target's MTP head, and marks the draft tokens the target accepted; then "
+            "measures plain decoding, mlx-lm's speculative decoding and mlx-spec with each "
+            "drafter on the same prompts."
         ),
     )
     parser.add_argument(
@@ -124,6 +126,7 @@ def _demo(args: argparse.Namespace) -> int:
     import mlx.core as mx
 
     from .. import bench
+    from ..mtp import head_of
 
     for role in ("target", "draft"):
         if not (DEMO_DIR / role / "config.json").is_file():
@@ -142,24 +145,33 @@ def _demo(args: argparse.Namespace) -> int:
         f"MLX {mx.__version__} on {mx.default_device()}."
     )
     lm_n = n if args.fixed else min(n, _mlx_lm_default_n())
+    has_head = head_of(target) is not None
     compared = [
         bench.plain(target),
         bench.mlx_lm(target, draft, lm_n),
         bench.mlx_spec(target, n, draft=draft, adaptive=adaptive),
         bench.mlx_spec(target, n, drafter="prompt-lookup", adaptive=adaptive),
     ]
+    if has_head:
+        compared.append(bench.mlx_spec(target, n, drafter="mtp", adaptive=adaptive))
     bench.warm_up(compared, mx.array(tokenizer.encode(WARM_UP)), TEMPS)
     length = f"N adaptive, at most {n}" if adaptive else f"N = {n}, fixed"
     how = (
         "each round drafts as many tokens as pay, from the acceptance so far and the measured "
         "cost of a round, and none when prompt lookup finds no match; --fixed drafts N"
         if adaptive
-        else f"the draft model drafts {n} tokens a round, prompt lookup up to {n} (what follows "
-        "the match, none without one)"
+        else f"the draft model{' and the MTP head' if has_head else ''} draft {n} tokens a "
+        f"round, prompt lookup up to {n} (what follows the match, none without one)"
+    )
+    mtp = (
+        ", or from the target's own MTP head (a layer trained to predict the token after next "
+        "from the target's last hidden state)"
+        if has_head
+        else ""
     )
     print(
         "\nDrafts come from the draft model, or from prompt lookup (no second model: it finds "
-        "the text's last tokens earlier in the text and proposes what followed them). "
+        f"the text's last tokens earlier in the text and proposes what followed them){mtp}. "
         f"{length}: {how}."
     )
     legend = "in green" if color else "in [brackets]"
@@ -168,6 +180,8 @@ def _demo(args: argparse.Namespace) -> int:
         "draft model": {"draft_model": draft},
         "prompt lookup": {"drafter": "prompt-lookup"},
     }
+    if has_head:
+        drafters["MTP head"] = {"drafter": "mtp"}
     for workload, text in SHOWN.items():
         print(f"\n=== {workload} prompt ===\n{text}")
         for temp in TEMPS:
@@ -190,10 +204,13 @@ def _demo(args: argparse.Namespace) -> int:
     lines = bench.summarize(rows)
     print(f"\n{bench.table(lines)}")
     lm_n_why = "" if args.fixed else " (its command's default, at most -n)"
+    kinds, withs = (
+        ("draft, lookup, mtp", ", with the MTP head") if has_head else ("draft, lookup", "")
+    )
     print(
         f"\nplain: mlx_lm.generate.generate_step. mlx-lm N={lm_n}: mlx-lm's speculative decoding "
-        f"with the draft model{lm_n_why}. draft, lookup: mlx-spec with the draft model, with "
-        f"prompt lookup.\ntok/s: the median of the {REPEATS} steady runs (all but the first "
+        f"with the draft model{lm_n_why}. {kinds}: mlx-spec with the draft model, with prompt "
+        f"lookup{withs}.\ntok/s: the median of the {REPEATS} steady runs (all but the first "
         "run's first time), and in brackets their range; first-use time / steady: the first "
         "time over a steady run's. tok/round: tokens per target call.\nx plain: tok/s over "
         "plain decoding's on the same prompt at the same temperature, run by run: the median and "
