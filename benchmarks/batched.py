@@ -44,7 +44,7 @@ from mlx_lm.generate import BatchGenerator
 
 from mlx_spec import _mlx_lm, bench
 from mlx_spec.batch import SpeculativeBatch
-from mlx_spec.draft_length import BatchAdaptive
+from mlx_spec.batch_length import BatchAdaptive
 from mlx_spec.drafters import PromptLookupDrafter
 from mlx_spec.sampling import make_sampler
 

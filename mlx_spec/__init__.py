@@ -10,7 +10,8 @@ from importlib import import_module
 from typing import Any
 
 from .acceptance import INVALID_ROW, accept_greedy, accept_sampled, read
-from .draft_length import Adaptive, BatchAdaptive, Calibration, DraftPolicy, Fixed
+from .batch_length import BatchAdaptive
+from .draft_length import Adaptive, Calibration, DraftPolicy, Fixed
 from .sampling import SpecSampler, make_sampler
 
 # Names that need mlx-lm, by the module that defines them (imported on first use).

@@ -43,7 +43,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from . import _mlx_lm
 from ._checks import check_callable, check_int, check_key, device_type, is_int
 from .acceptance import INVALID_ROW, _argmax_rows, _compile_per_thread, _matching, check_next
-from .draft_length import MAX_DRAFT_TOKENS, Adaptive, BatchAdaptive, Outcome, Round
+from .batch_length import BatchAdaptive
+from .draft_length import MAX_DRAFT_TOKENS, Adaptive, Outcome, Round
 from .drafters import Drafter, DraftSetup, PromptLookupDrafter
 from .keys import KeyChain, set_global_state
 from .loop import Text, vocab_size
@@ -748,7 +749,7 @@ def batch_generate(
             does not draft). Default: ``3``.
         adaptive (bool): choose each round's draft lengths, up to ``num_draft_tokens``, from
             each sequence's acceptance and the measured cost of a round at the batch's size,
-            drafting nothing where it does not pay (:class:`mlx_spec.draft_length.BatchAdaptive`);
+            drafting nothing where it does not pay (:class:`mlx_spec.batch_length.BatchAdaptive`);
             ``False`` drafts ``num_draft_tokens`` every round. Default: ``True``.
         policy (BatchAdaptive, optional): the adaptive policy to use, to keep what it measured
             from one call to the next, or to give it calibrations. Default: a new one.

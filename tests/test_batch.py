@@ -22,7 +22,7 @@ from tiny_models import cut, tiny_llama, tiny_qwen2
 
 import mlx_spec
 from mlx_spec import _mlx_lm
-from mlx_spec.draft_length import BatchAdaptive
+from mlx_spec.batch_length import BatchAdaptive
 from mlx_spec.generation import speculative_generate_step
 from mlx_spec.keys import seed_of
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from helpers import PROMPT, run
 
+from mlx_spec.batch_length import BatchAdaptive
 from mlx_spec.draft_length import (
     MAX_DRAFT_TOKENS,
     Adaptive,
-    BatchAdaptive,
     Calibration,
     DraftPolicy,
     Fixed,
