@@ -35,10 +35,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--full"):
-        return
-    skip = pytest.mark.skip(reason="heavy test: run with --full")
+        # A quick case whose checks a slow case of the same test repeats on more (more tokens,
+        # the same prompts and seeds) adds nothing to the full run.
+        skip = pytest.mark.skip(reason="quick case: a slow case of this test contains it")
+        heavy = ()
+        marker = "quick_only"
+    else:
+        skip = pytest.mark.skip(reason="heavy test: run with --full")
+        heavy = ("statistical", "slow")
+        marker = None
     for item in items:
-        if "statistical" in item.keywords or "slow" in item.keywords:
+        if marker in item.keywords or any(name in item.keywords for name in heavy):
             item.add_marker(skip)
 
 

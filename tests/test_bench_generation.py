@@ -36,7 +36,10 @@ def script(name: str, *args: str, timeout: float = 600) -> subprocess.CompletedP
 
 @pytest.mark.parametrize(
     "workloads",
-    [["open"], pytest.param(["input-grounded", "open"], marks=pytest.mark.slow)],
+    [
+        pytest.param(["open"], marks=pytest.mark.quick_only),
+        pytest.param(["input-grounded", "open"], marks=pytest.mark.slow),
+    ],
     ids=["open", "both"],
 )
 def test_generation_quick_on_the_demo_pair(tmp_path, capsys, workloads):

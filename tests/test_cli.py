@@ -1058,12 +1058,30 @@ def test_bench_without_matplotlib_says_how_to_get_the_plot(tmp_path, monkeypatch
     assert (tmp_path / "plot.png").exists()
 
 
+def test_bench_is_an_installed_command():
+    """The smoke test of ``python -m mlx_spec bench``: the command starts and describes itself
+    (the tests above and below run its ``main``)."""
+    proc = mlx_spec_cmd("bench", "--help", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: mlx-spec bench") and "--quick" in proc.stdout
+
+
 def test_interrupted_bench_keeps_what_it_measured(tmp_path):
-    """results.json is rewritten after each measured row: Ctrl-C loses none of them. Also the
-    smoke test of the installed command: ``python -m mlx_spec bench --quick``, with progress."""
+    """results.json is rewritten after each measured row: Ctrl-C loses none of them. The
+    command's ``main`` runs in a process of its own (a real SIGINT), with :data:`SMALL` as
+    ``--quick``'s settings and the demo's short input-grounded prompt, as the test above, so that
+    its first row comes within seconds; with progress."""
     results = tmp_path / "results.json"
+    program = (
+        "import sys\n"
+        "from mlx_spec import _demo, bench\n"
+        "from mlx_spec.cli import bench as command, main\n"
+        f"command.SETTINGS[True] = {SMALL!r}\n"
+        "bench.GROUNDED = _demo.GROUNDED[1:2]\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlx_spec", "bench", "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-c", program, "bench", "--quick", "--out", str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

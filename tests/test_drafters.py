@@ -199,7 +199,10 @@ def copying_code(demo):
 
 @pytest.mark.parametrize(
     ("n", "tokens"),
-    [(8, 100), *(pytest.param(n, 300, marks=pytest.mark.slow) for n in (1, 3, 8))],
+    [
+        pytest.param(8, 100, marks=pytest.mark.quick_only),
+        *(pytest.param(n, 300, marks=pytest.mark.slow) for n in (1, 3, 8)),
+    ],
 )
 def test_lookup_greedy_equals_plain_on_the_demo_target_copying_code(
     demo, copying_code, n, tokens

@@ -1350,9 +1350,10 @@ def test_judge_fails_a_wrong_generation(worker):
 
 # -- interrupts ----------------------------------------------------------------------------------
 
-#: Generations cut short by SIGINTs: a few in the quick suite, many with --full.
+#: Generations cut short by SIGINTs: a few in the quick suite, many with --full (the same setups
+#: in turn and the same draws of delays, continued).
 INTERRUPTS = [
-    pytest.param(12, id="quick"),
+    pytest.param(12, id="quick", marks=pytest.mark.quick_only),
     pytest.param(80, id="full", marks=pytest.mark.slow),
 ]
 
