@@ -15,6 +15,10 @@
   :func:`mlx_spec.mtp_convert.load`: mlx-lm's ``load``, the ``mlx_lm.generate`` command and the
   server then attach a model's MTP head where its folder has one (``mtp.safetensors``, written
   by ``mlx-spec convert-mtp``).
+- ``batch_generate`` in ``mlx_lm.generate`` and ``mlx_lm`` by a function that runs mlx-spec's
+  batches (:func:`mlx_spec.batch.batch_generate`) when given a ``draft_model`` (and
+  ``num_draft_tokens``), or with ``prompt_lookup=True``; and mlx-lm's own otherwise, or where
+  the call needs what mlx-spec's batches do not take yet (see :func:`_batch_generate`).
 - ``generate`` in ``mlx_lm.generate`` and ``mlx_lm`` (the command calls it) by mlx-lm's own,
   which with ``verbose=True`` and speculation also prints the rounds, the draft tokens drafted
   and accepted, and the tokens per round.
@@ -46,7 +50,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse
 
-from . import _mlx_lm, generation, mtp_convert
+from . import _mlx_lm, batch, generation, mtp_convert
 from ._mlx_lm import lm
 from .mtp import head_of
 from .sampling import make_sampler
@@ -60,10 +64,17 @@ _LM_STREAM_SIGNATURE = inspect.signature(lm.stream_generate)
 # mlx-lm's generate, as it was before any patch.
 _lm_generate = importlib.import_module("mlx_lm.generate").generate
 _LM_GENERATE_SIGNATURE = inspect.signature(_lm_generate)
+# mlx-lm's batch_generate, as it was before any patch.
+_lm_batch_generate = importlib.import_module("mlx_lm.generate").batch_generate
+_LM_BATCH_SIGNATURE = inspect.signature(_lm_batch_generate)
 
 _SAMPLER_MODULES = ("mlx_lm.sample_utils", "mlx_lm.generate", "mlx_lm.server")
 _STREAM_MODULES = ("mlx_lm.generate", "mlx_lm", "mlx_lm.server")
 _GENERATE_MODULES = ("mlx_lm.generate", "mlx_lm")
+# BatchGenerator's options that mlx-spec's batches take as they are, and those they can ignore
+# (how many prompts prefill together changes no token).
+_BATCH_OPTIONS = ("sampler", "prefill_step_size")
+_BATCH_IGNORED = ("prefill_batch_size", "completion_batch_size")
 
 # How the patched stream_generate drafts when it has no draft model: with the model's MTP head,
 # by prompt lookup, or not at all (see _default_drafter).
@@ -175,6 +186,52 @@ def _generate(*args: Any, **kwargs: Any) -> Any:
     return text
 
 
+def _batch_generate(*args: Any, **kwargs: Any) -> Any:
+    """mlx-lm's ``batch_generate`` while patched: it also takes ``draft_model`` and
+    ``num_draft_tokens`` (mlx-spec's default: ``3``, adapted to the load).
+
+    With a draft model, or without one and with ``prompt_lookup=True``, the prompts decode in
+    mlx-spec's batches (:func:`mlx_spec.batch.batch_generate`). mlx-lm's own runs instead where
+    the call needs what those do not take yet: ``prompt_caches``, ``logits_processors``,
+    ``max_kv_size``, a ``stream``, more prompts than ``completion_batch_size`` (mlx-lm would
+    decode them in turns), or a model whose caches do not batch (sliding windows, recurrent
+    layers). Where a draft model was given, such a call raises instead, naming the option.
+    """
+    draft_model = kwargs.pop("draft_model", None)
+    num_draft_tokens = kwargs.pop("num_draft_tokens", 3)
+    bound = _LM_BATCH_SIGNATURE.bind(*args, **kwargs)
+    arguments = dict(bound.arguments)
+    options = arguments.pop("kwargs", {})
+    if draft_model is None and not _options["prompt_lookup"]:
+        return _lm_batch_generate(*args, **kwargs)
+    refused = [name for name in ("prompt_caches",) if arguments.get(name) is not None]
+    refused += [n for n in options if n not in _BATCH_OPTIONS + _BATCH_IGNORED]
+    if len(arguments["prompts"]) > options.get("completion_batch_size", len(arguments["prompts"])):
+        refused.append("completion_batch_size")
+    try:
+        batch._check_batchable("mlx_lm.batch_generate", "model", arguments["model"])
+    except ValueError:
+        refused.append("model")
+    if refused and draft_model is not None:
+        raise ValueError(
+            f"mlx_lm.batch_generate (patched): with `draft_model`, batched speculation does not "
+            f"take {', '.join(f'`{name}`' for name in refused)} yet"
+        )
+    if refused:
+        return _lm_batch_generate(*args, **kwargs)
+    arguments.pop("prompt_caches", None)
+    return batch.batch_generate(
+        arguments.pop("model"),
+        arguments.pop("tokenizer"),
+        arguments.pop("prompts"),
+        draft_model=draft_model,
+        drafter=None if draft_model is not None else "prompt-lookup",
+        num_draft_tokens=num_draft_tokens,
+        **arguments,
+        **{name: options[name] for name in _BATCH_OPTIONS if name in options},
+    )
+
+
 def patch_mlx_lm(*, prompt_lookup: bool = False, mtp: bool = False) -> None:
     """Routes mlx-lm's speculative decoding through mlx-spec; idempotent (a later call sets the
     options anew).
@@ -182,7 +239,8 @@ def patch_mlx_lm(*, prompt_lookup: bool = False, mtp: bool = False) -> None:
     Args:
         prompt_lookup (bool): also make mlx-lm's single-sequence generation without a draft
             model (``stream_generate``, ``generate``, the ``mlx_lm.generate`` command) speculate
-            by prompt lookup, with ``num_draft_tokens`` drafts a round. The server's batched
+            by prompt lookup, with ``num_draft_tokens`` drafts a round, and
+            ``mlx_lm.batch_generate`` batch it (:func:`_batch_generate`). The server's batched
             generation is not changed. Default: ``False``.
         mtp (bool): also make mlx-lm's ``load``, the ``mlx_lm.generate`` command and the server
             load a model's MTP head where its folder has one (:func:`mlx_spec.mtp_convert.load`),
@@ -213,6 +271,7 @@ def patch_mlx_lm(*, prompt_lookup: bool = False, mtp: bool = False) -> None:
     )
     _mlx_lm.replace(_STREAM_MODULES, "stream_generate", _stream_generate, lm.stream_generate)
     _mlx_lm.replace(_GENERATE_MODULES, "generate", _generate, _lm_generate)
+    _mlx_lm.replace(_GENERATE_MODULES, "batch_generate", _batch_generate, _lm_batch_generate)
     _mlx_lm.replace(_SAMPLER_MODULES, "make_sampler", _make_mlx_lm_sampler, lm.make_sampler)
 
 
@@ -226,8 +285,16 @@ def unpatch_mlx_lm() -> None:
             _make_mlx_lm_sampler: lm.make_sampler,
             _stream_generate: lm.stream_generate,
             _generate: _lm_generate,
+            _batch_generate: _lm_batch_generate,
             generation.speculative_generate_step: lm.speculative_generate_step,
             mtp_convert.load: lm.load,
         },
-        ("make_sampler", "stream_generate", "generate", "speculative_generate_step", "load"),
+        (
+            "make_sampler",
+            "stream_generate",
+            "generate",
+            "batch_generate",
+            "speculative_generate_step",
+            "load",
+        ),
     )

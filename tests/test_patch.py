@@ -16,7 +16,9 @@ import pytest
 from helpers import PROMPT, ByteTokenizer, run
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+import mlx_spec.batch as spec_batch
 import mlx_spec.generation as spec_generation
 from mlx_spec import _mlx_lm, loop, mtp_convert
 from mlx_spec._mlx_lm import lm
@@ -520,3 +522,101 @@ def test_patching_again_probes_mlx_lms_own_parts_not_the_replacements() -> None:
         assert all(_mlx_lm.report().values()), _mlx_lm.report()
     finally:
         unpatch_mlx_lm()
+
+
+# -- mlx-lm's batch_generate, patched ---------------------------------------------------------
+
+# Very different lengths, one repeating itself (prompt lookup finds it).
+BATCH_PROMPTS = [[1, 2, 3, 4, 5] * 6, [7], [9, 10, 11, 9, 10, 11, 9, 10]]
+
+
+def mlx_lms_batch(target, **options):
+    return lm_generate.batch_generate(
+        target,
+        TokenizerWrapper(ByteTokenizer()),
+        BATCH_PROMPTS,
+        max_tokens=30,
+        return_token_ids=True,
+        **options,
+    )
+
+
+@pytest.fixture
+def batch_calls(monkeypatch) -> list[dict]:
+    """The keyword arguments of every call of mlx-spec's batch_generate."""
+    calls: list[dict] = []
+    original = spec_batch.batch_generate
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(spec_batch, "batch_generate", counted)
+    return calls
+
+
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "draft-model"])
+def test_patched_batch_generate_speculates_and_gives_mlx_lms_tokens(
+    target, drafts, drafter, batch_calls
+) -> None:
+    import mlx_lm
+
+    want = mlx_lms_batch(target)
+    lookup = drafter == "prompt-lookup"
+    given = {} if lookup else {"draft_model": drafts["truncated"]}
+    patch_mlx_lm(prompt_lookup=lookup)
+    try:
+        got = mlx_lm.batch_generate(
+            target,
+            TokenizerWrapper(ByteTokenizer()),
+            BATCH_PROMPTS,
+            max_tokens=30,
+            return_token_ids=True,
+            num_draft_tokens=4,
+            prefill_batch_size=2,  # how prompts prefill together changes no token
+            **given,
+        )
+    finally:
+        unpatch_mlx_lm()
+    assert got.token_ids == want.token_ids and got.texts == want.texts
+    assert len(batch_calls) == 1
+    call = batch_calls[0]
+    assert call["num_draft_tokens"] == 4
+    assert (call["drafter"], call["draft_model"]) == (
+        ("prompt-lookup", None) if lookup else (None, drafts["truncated"])
+    )
+    assert mlx_lm.batch_generate is lm_generate.batch_generate  # restored
+    assert mlx_lms_batch(target).token_ids == want.token_ids and len(batch_calls) == 1
+
+
+def test_patched_batch_generate_without_a_drafter_is_mlx_lms(target, patched, batch_calls) -> None:
+    want = mlx_lms_batch(target)  # patched without prompt_lookup
+    assert not batch_calls
+    unpatch_mlx_lm()
+    assert mlx_lms_batch(target).token_ids == want.token_ids
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"logits_processors": [lambda tokens, logits: logits]},
+        {"max_kv_size": 64},
+        {"completion_batch_size": 2},  # three prompts: mlx-lm decodes them in turns
+    ],
+    ids=["logits_processors", "max_kv_size", "completion_batch_size"],
+)
+def test_patched_batch_generate_runs_mlx_lms_own_for_what_batches_do_not_take(
+    target, drafts, options, batch_calls
+) -> None:
+    want = mlx_lms_batch(target, **options)
+    patch_mlx_lm(prompt_lookup=True)
+    try:
+        got = mlx_lms_batch(target, **options)
+        # With a draft model, the call is refused instead, naming what batches do not take.
+        name = next(iter(options))
+        with pytest.raises(ValueError, match=rf"batch_generate \(patched\).*`{name}`"):
+            mlx_lms_batch(target, draft_model=drafts["truncated"], **options)
+    finally:
+        unpatch_mlx_lm()
+    assert got.token_ids == want.token_ids
+    assert not batch_calls
