@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx_lm.sample_utils as mlx_lm_sampling
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
@@ -239,15 +239,20 @@ _tied_rows = st.lists(
 ).filter(lambda r: any(v != -math.inf for v in r))
 
 
-@given(
-    row=_tied_rows,
-    dtype=st.sampled_from(DTYPES),
-    top_p=st.floats(0.01, 0.99),
-    min_p=st.floats(0.01, 1.0),
-    keep=st.integers(1, 3),
-    top_k=st.integers(1, 11),
-)
-def test_masks_equal_mlx_lm_with_ties_and_minus_inf(row, dtype, top_p, min_p, keep, top_k):
+# The filters' settings for a tied row. mlx-lm compiles its filters with each setting as a
+# constant, so each example's new floats compile them anew (once per machine, to a disk cache):
+# the quick suite takes a few examples, --full the default 100.
+_mask_settings = {
+    "row": _tied_rows,
+    "dtype": st.sampled_from(DTYPES),
+    "top_p": st.floats(0.01, 0.99),
+    "min_p": st.floats(0.01, 1.0),
+    "keep": st.integers(1, 3),
+    "top_k": st.integers(1, 11),
+}
+
+
+def _check_masks_equal_mlx_lm(row, dtype, top_p, min_p, keep, top_k):
     x = mx.array(row).astype(dtype)
     vocab = len(row)
     expected = mx.isfinite(mlx_lm_sampling.apply_top_p(x, top_p))
@@ -258,6 +263,18 @@ def test_masks_equal_mlx_lm_with_ties_and_minus_inf(row, dtype, top_p, min_p, ke
     if top_k < vocab:
         expected = mx.isfinite(mlx_lm_sampling.apply_top_k(x, top_k))
         assert mx.array_equal(top_k_mask(x, top_k) & mx.isfinite(x), expected).item()
+
+
+@settings(max_examples=20)
+@given(**_mask_settings)
+def test_masks_equal_mlx_lm_on_a_few_tied_rows(row, dtype, top_p, min_p, keep, top_k):
+    _check_masks_equal_mlx_lm(row, dtype, top_p, min_p, keep, top_k)
+
+
+@pytest.mark.slow
+@given(**_mask_settings)
+def test_masks_equal_mlx_lm_with_ties_and_minus_inf(row, dtype, top_p, min_p, keep, top_k):
+    _check_masks_equal_mlx_lm(row, dtype, top_p, min_p, keep, top_k)
 
 
 def test_top_p_keeps_all_tokens_tied_with_the_last_kept():
