@@ -35,9 +35,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--full"):
-        # A quick case whose checks a slow case of the same test repeats on more (more tokens,
-        # the same prompts and seeds) adds nothing to the full run.
-        skip = pytest.mark.skip(reason="quick case: a slow case of this test contains it")
+        # A quick case of what a slow test checks in full (more tokens from the same prompts
+        # and seeds, or more examples of the same property) adds nothing to the full run.
+        skip = pytest.mark.skip(reason="quick case: a slow test checks it in full")
         heavy = ()
         marker = "quick_only"
     else:

@@ -265,6 +265,7 @@ def _check_masks_equal_mlx_lm(row, dtype, top_p, min_p, keep, top_k):
         assert mx.array_equal(top_k_mask(x, top_k) & mx.isfinite(x), expected).item()
 
 
+@pytest.mark.quick_only
 @settings(max_examples=20)
 @given(**_mask_settings)
 def test_masks_equal_mlx_lm_on_a_few_tied_rows(row, dtype, top_p, min_p, keep, top_k):
