@@ -71,8 +71,9 @@ _LM_BATCH_SIGNATURE = inspect.signature(_lm_batch_generate)
 _SAMPLER_MODULES = ("mlx_lm.sample_utils", "mlx_lm.generate", "mlx_lm.server")
 _STREAM_MODULES = ("mlx_lm.generate", "mlx_lm", "mlx_lm.server")
 _GENERATE_MODULES = ("mlx_lm.generate", "mlx_lm")
-# BatchGenerator's options that mlx-spec's batches take as they are, and those they can ignore
-# (how many prompts prefill together changes no token).
+# BatchGenerator's options that mlx-spec's batches take as they are, and those they can ignore:
+# how many prompts prefill together changes no token, and a batch of at most
+# completion_batch_size prompts decodes together in mlx-lm too (more are refused).
 _BATCH_OPTIONS = ("sampler", "prefill_step_size")
 _BATCH_IGNORED = ("prefill_batch_size", "completion_batch_size")
 
@@ -205,7 +206,11 @@ def _batch_generate(*args: Any, **kwargs: Any) -> Any:
     if draft_model is None and not _options["prompt_lookup"]:
         return _lm_batch_generate(*args, **kwargs)
     refused = [name for name in ("prompt_caches",) if arguments.get(name) is not None]
-    refused += [n for n in options if n not in _BATCH_OPTIONS + _BATCH_IGNORED]
+    refused += [
+        name
+        for name, value in options.items()
+        if value is not None and name not in _BATCH_OPTIONS + _BATCH_IGNORED
+    ]
     if len(arguments["prompts"]) > options.get("completion_batch_size", len(arguments["prompts"])):
         refused.append("completion_batch_size")
     try:

@@ -574,6 +574,8 @@ def test_patched_batch_generate_speculates_and_gives_mlx_lms_tokens(
             return_token_ids=True,
             num_draft_tokens=4,
             prefill_batch_size=2,  # how prompts prefill together changes no token
+            logits_processors=None,  # options at their defaults are not refused
+            max_kv_size=None,
             **given,
         )
     finally:
