@@ -38,14 +38,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # A quick case of what a slow test checks in full (more tokens from the same prompts
         # and seeds, or more examples of the same property) adds nothing to the full run.
         skip = pytest.mark.skip(reason="quick case: a slow test checks it in full")
-        heavy = ()
-        marker = "quick_only"
+        skipped = ("quick_only",)
     else:
         skip = pytest.mark.skip(reason="heavy test: run with --full")
-        heavy = ("statistical", "slow")
-        marker = None
+        skipped = ("statistical", "slow")
     for item in items:
-        if marker in item.keywords or any(name in item.keywords for name in heavy):
+        if any(name in item.keywords for name in skipped):
             item.add_marker(skip)
 
 
