@@ -159,9 +159,14 @@ class _Meter:
         self._steps: list[float] = []
 
     def length(self, top: int) -> int:
-        """The next round's ``N`` while measuring (``0``: a plain step)."""
-        measured = sum(map(len, self._rounds.values()))
-        return (1 if measured % 2 else top) if measured < 2 * (_ROUNDS + 1) else 0
+        """The next round's ``N`` while measuring (``0``: a plain step): rounds of one token and
+        of ``top`` in turn, until one token and some longer length each have enough (a round
+        the tokens left cut short counts at its own length)."""
+        short = len(self._rounds.get(1, []))
+        long = max((len(t) for n, t in self._rounds.items() if n > 1), default=0)
+        if min(short, long) > _ROUNDS:
+            return 0
+        return 1 if top == 1 or long > _ROUNDS or short < min(long, _ROUNDS + 1) else top
 
     def record(self, outcome: Outcome) -> Calibration | None:
         """Counts a timed round or plain step: the costs measured so far, once there are enough."""
