@@ -27,7 +27,7 @@ Example (one GPU, about seven minutes)::
     python3 scripts/train_demo_models.py --out /tmp/demo --device cuda --time-budget-s 360
     python3 scripts/train_demo_models.py --out /tmp/demo-quick --device cpu --quick
     python3 scripts/train_demo_models.py --out /tmp/demo-mtp --target-from mlx_spec/demo/target \
-        --mtp-time-budget-s 1380 --threads 2
+        --device cuda --steps-mtp 40000 --mtp-time-budget-s 130
 """
 
 from __future__ import annotations
@@ -628,7 +628,8 @@ def rotary(positions: Any, head_dim: int, theta: float) -> tuple[Any, Any]:
     ``nn.RoPE``), each ``[S, head_dim]`` float32 for ``[S]`` int64 ``positions``."""
     import torch
 
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    steps = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
+    inv = 1.0 / theta ** (steps / head_dim)
     freqs = positions.float()[:, None] * inv[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
@@ -668,7 +669,7 @@ def mtp_steps(head: Any, target: Any, hidden: Any, tokens: Any, depths: int) -> 
     theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
     embed = target.model.embed_tokens.weight
     batch, seq, _ = hidden.shape
-    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=hidden.device).tril()
 
     def split_heads(x: Any, n: int) -> Any:
         return x.view(batch, seq, n, head_dim).transpose(1, 2)
@@ -686,7 +687,7 @@ def mtp_steps(head: Any, target: Any, hidden: Any, tokens: Any, depths: int) -> 
             torch.cat([head.pre_fc_norm_embedding(e), head.pre_fc_norm_hidden(state)], dim=-1)
         )
         a = layer.input_layernorm(x)
-        cos, sin = rotary(torch.arange(seq) + d - 1, head_dim, theta)
+        cos, sin = rotary(torch.arange(seq, device=hidden.device) + d - 1, head_dim, theta)
         q = rotate(split_heads(attn.q_proj(a), heads), cos, sin)
         k = widen(rotate(split_heads(attn.k_proj(a), kv_heads), cos, sin))
         v = widen(split_heads(attn.v_proj(a), kv_heads))
@@ -796,8 +797,8 @@ def train_mtp(
     for p in target.parameters():
         p.requires_grad_(False)
     target.eval()
-    head = make_mtp_head(target)
-    weights = torch.tensor(m.depth_weights[: m.depths])
+    head = make_mtp_head(target).to(trainer.device)
+    weights = torch.tensor(m.depth_weights[: m.depths], device=trainer.device)
     windows = fixed_windows(heldout_data, m.eval_windows, m.seq_len + m.depths - 1)
 
     def loss(model: Any, window: Any) -> Any:
