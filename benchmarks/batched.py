@@ -4,6 +4,9 @@ Methods, on the shipped demo pair (``mlx_spec/demo``) at each batch size of ``--
 
 - ``BatchGenerator``: mlx-lm's continuous batching without speculation, every request inserted
   at once;
+- ``mlx-lm draft, serial``: what ``mlx_lm.server`` does with a draft model, which turns its
+  batching off: mlx-lm's ``speculative_generate_step`` with the pair's draft model
+  (``--draft-tokens``), one request after the other;
 - ``lookup``: :class:`mlx_spec.batch.SpeculativeBatch` with prompt lookup, each request its own
   index;
 - ``draft``: the same with the pair's draft model run as a batch;
@@ -49,7 +52,14 @@ from mlx_spec.drafters import PromptLookupDrafter
 from mlx_spec.sampling import make_sampler
 
 WORKLOADS = ("input-grounded", "open")
-METHODS = ("BatchGenerator", "lookup", "draft", "lookup adaptive", "draft adaptive")
+METHODS = (
+    "BatchGenerator",
+    "mlx-lm draft, serial",
+    "lookup",
+    "draft",
+    "lookup adaptive",
+    "draft adaptive",
+)
 #: The method the others are compared with.
 BASELINE = "BatchGenerator"
 
@@ -101,6 +111,43 @@ def baseline(model: nn.Module, eos: list[int], sampler: Any) -> Runner:
     return run
 
 
+def serial(model: nn.Module, draft: nn.Module, eos: list[int], temp: float, n: int) -> Runner:
+    """mlx-lm's ``speculative_generate_step`` with ``draft``, ``n`` tokens a round, one request
+    after the other (each keyed by its place in the batch where it samples)."""
+    stop = set(eos)
+
+    def run(prompts: list[list[int]], max_tokens: int) -> Timing:
+        timing = Timing()
+        start = time.perf_counter()
+        for uid, prompt in enumerate(prompts):
+            if temp:
+                mx.random.seed(uid)
+            steps = _mlx_lm.lm.speculative_generate_step(
+                mx.array(prompt),
+                model,
+                draft,
+                num_draft_tokens=n,
+                max_tokens=max_tokens,
+                sampler=_mlx_lm.lm.make_sampler(temp=temp),
+            )
+            for i, (token, *_) in enumerate(steps):
+                done = int(token) in stop or i + 1 == max_tokens
+                timing.see([_Response(uid, "stop" if done else None)], start)
+                if done:
+                    break
+        return timing
+
+    return run
+
+
+@dataclass
+class _Response:
+    """A token of :func:`serial`'s, as :meth:`Timing.see` counts it."""
+
+    uid: int
+    finish_reason: str | None
+
+
 def speculative(
     model: nn.Module,
     eos: list[int],
@@ -139,6 +186,7 @@ def runners(
     sampler = make_sampler(temp=temp) if temp else None
     return {
         "BatchGenerator": baseline(target, eos, sampler),
+        "mlx-lm draft, serial": serial(target, draft, eos, temp, n),
         "lookup": speculative(target, eos, temp, n, drafter=PromptLookupDrafter()),
         "draft": speculative(target, eos, temp, n, draft_model=draft),
         "lookup adaptive": speculative(

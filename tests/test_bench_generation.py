@@ -204,3 +204,70 @@ def test_adaptive_lookup_keeps_up_with_fixed_lengths_under_modelled_gpu_costs() 
     assert best > 1.5  # the copy is worth drafting: the comparison is not vacuous
     assert rate(copy, Adaptive(8, calibration)) >= 0.9 * best
     assert rate(open_prompt, Adaptive(8, calibration)) >= 0.95
+
+
+def test_fused_generation_pairs_each_method_with_its_twin_and_judges_every_pass():
+    # Lines as bench.summarize gives them: each method's tokens/s in every pass. The verdict is
+    # "gain" only where every pass ran faster with the kernels, "loss" only where every one ran
+    # slower, and a method is set beside its own twin (the same name with ", no kernels").
+    def line(name, speeds, temp=0.0):
+        return {
+            "workload": "open",
+            "temp": temp,
+            "name": name,
+            "tokens_per_round": 2.0,
+            "tokens_per_second_by_repeat": speeds,
+        }
+
+    lines = [
+        line("draft N=4", [110.0, 120.0, 105.0]),
+        line("draft, no kernels N=4", [100.0, 100.0, 100.0]),
+        line("lookup adaptive", [90.0, 95.0, 99.0]),
+        line("lookup, no kernels adaptive", [100.0, 100.0, 100.0]),
+        line("mtp N=4", [90.0, 120.0, 100.0]),
+        line("mtp, no kernels N=4", [100.0, 100.0, 100.0]),
+        line("draft N=4", [100.0, 100.0, 100.0], temp=0.8),
+        line("draft, no kernels N=4", [50.0, 50.0, 50.0], temp=0.8),
+    ]
+    rows = {(r["temp"], r["method"]): r for r in benchmark("fused_generation").compare(lines)}
+    assert set(rows) == {
+        (0.0, "draft N=4"),
+        (0.0, "lookup adaptive"),
+        (0.0, "mtp N=4"),
+        (0.8, "draft N=4"),
+    }
+    assert rows[0.0, "draft N=4"]["verdict"] == "gain"
+    assert rows[0.0, "draft N=4"]["ratios"] == pytest.approx([1.1, 1.2, 1.05])
+    assert rows[0.0, "lookup adaptive"]["verdict"] == "loss"
+    assert rows[0.0, "mtp N=4"]["verdict"] == "noise"
+    assert rows[0.8, "draft N=4"]["ratios"] == pytest.approx([2.0, 2.0, 2.0])
+
+
+def test_mtp_cost_times_the_three_steps_on_the_demo_pair(capsys):
+    rows = benchmark("mtp_cost").main(["--pair", "demo", "--repeats", "5", "--context", "16"])
+    printed = markdown_table(capsys.readouterr().out, "pair")
+    assert [r["pair"] for r in rows] == ["demo"] and rows[0]["head"] == "shipped"
+    (row,) = printed
+    for key, column in (("target", "target step (ms)"), ("mtp", "MTP step (ms)")):
+        assert rows[0][key] > 0
+        assert float(row[column]) == pytest.approx(rows[0][key] * 1e3, abs=0.0005)
+    assert float(row["MTP / target"]) == pytest.approx(
+        rows[0]["mtp"] / rows[0]["target"], abs=0.0005
+    )
+    # One decoder layer and the LM head against six layers and the same head.
+    assert rows[0]["mtp"] < rows[0]["target"]
+
+
+def test_batched_runs_every_method_and_the_serial_one_generates_what_the_batch_does(capsys):
+    results = benchmark("batched").main(
+        ["--batches", "2", "--tokens", "6", "--prompts", "2", "--passes", "1", "--workload", "open"]
+    )
+    rows = {r["method"]: r for r in results["rows"]}
+    assert list(rows) == list(benchmark("batched").METHODS)
+    # Greedy, the same prompts: every method generates the same number of tokens per request.
+    assert {r["tokens"] for r in rows.values()} == {rows["BatchGenerator"]["tokens"]}
+    serial = rows["mlx-lm draft, serial"]
+    # One request after the other: the second finishes after the first.
+    assert serial["latencies"][1] > serial["latencies"][0]
+    printed = markdown_table(capsys.readouterr().out, "workload")
+    assert [r["method"] for r in printed] == list(rows)
