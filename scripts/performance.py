@@ -11,7 +11,7 @@ pair, under the command that made it. Older results stay in git's history of the
 heading), an optional ``note`` and its ``results``; each result has a ``title`` (its heading,
 unique on the page), a ``file``, the ``command`` that made it, an optional ``note`` and, for
 ``benchmarks/distributed.py``'s rows, ``"kind": "distributed"`` (``benchmarks/batched.py``'s:
-``"kind": "batched"``). A note says what its table
+``"kind": "batched"``; ``benchmarks/fused_generation.py``'s: ``"kind": "fused"``). A note says what its table
 shows and why; the page quotes no dates, commits or machine paths.
 
 Result files are named by machine, benchmark and pair (``gpu/generation-demo.json``), never by
@@ -41,6 +41,7 @@ OUT = ROOT / "docs" / "performance.md"
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import batched  # noqa: E402
+import fused_generation  # noqa: E402
 from distributed import speedups  # noqa: E402
 from generation import replay_table  # noqa: E402
 
@@ -163,8 +164,16 @@ def _batched(data: dict[str, Any]) -> str:
     )
 
 
+def _fused(data: dict[str, Any]) -> str:
+    s = data["settings"]
+    return (
+        f"Acceptance {s.get('acceptance', 'coupled')}, {s['passes']} passes:\n\n"
+        + fused_generation.table(data["rows"])
+    )
+
+
 #: The table of each result ``kind`` (the generation table where it has none).
-KINDS = {"distributed": _distributed, "batched": _batched}
+KINDS = {"distributed": _distributed, "batched": _batched, "fused": _fused}
 
 
 def section(entry: dict[str, Any]) -> str:
