@@ -7,12 +7,12 @@ Run ``python scripts/performance.py`` to rewrite the page, or ``python scripts/p
 The page shows the current state: the newest result of each benchmark, per machine and model
 pair, under the command that made it. Older results stay in git's history of their files.
 
-``docs/results/index.json`` lists the machines in page order. Each has a ``platform`` (its
-heading), an optional ``note`` and its ``results``; each result has a ``title`` (its heading,
-unique on the page), a ``file``, the ``command`` that made it, an optional ``note`` and, for
+``docs/results/index.json`` lists the machines in page order. Each has a ``platform`` (its heading),
+an optional ``note`` and its ``results``; each result has a ``title`` (its heading, unique on the
+page), a ``file``, the ``command`` that made it, an optional ``note`` and, for
 ``benchmarks/distributed.py``'s rows, ``"kind": "distributed"`` (``benchmarks/batched.py``'s:
-``"kind": "batched"``; ``benchmarks/fused_generation.py``'s: ``"kind": "fused"``). A note says what its table
-shows and why; the page quotes no dates, commits or machine paths.
+``"kind": "batched"``; ``benchmarks/fused_generation.py``'s: ``"kind": "fused"``). A note says what
+its table shows and why; the page quotes no dates, commits or machine paths.
 
 Result files are named by machine, benchmark and pair (``gpu/generation-demo.json``), never by
 commit. Each records the commit it measured (its full hash) and the date of the run:
