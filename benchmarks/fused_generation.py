@@ -34,8 +34,6 @@ from generation import ADAPTIVE_MOST, PAIRS, WORKLOADS, build_pair, describe
 from mlx_spec import bench
 from mlx_spec.mtp import head_of
 
-NO_KERNELS = ", no kernels"
-
 
 def methods(
     target: Any, draft: Any, drafts: list[int], acceptance: str = "coupled"
@@ -63,10 +61,10 @@ def compare(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by_name = {(s["workload"], s["temp"], s["name"]): s for s in lines}
     out = []
     for (workload, temp, name), on in by_name.items():
-        if NO_KERNELS in name:
+        if bench.NO_KERNELS in name:
             continue
         kind, _, setting = name.rpartition(" ")
-        off = by_name[(workload, temp, f"{kind}{NO_KERNELS} {setting}")]
+        off = by_name[(workload, temp, f"{kind}{bench.NO_KERNELS} {setting}")]
         ratios = [
             a / b
             for a, b in zip(

@@ -163,6 +163,10 @@ def mlx_lm(target: nn.Module, draft: nn.Module, n: int) -> Method:
     return Method(f"mlx-lm N={n}", generate, "mlx-lm", n)
 
 
+#: What a method's drafter label gains with the fused kernels turned off (``"lookup, no kernels"``).
+NO_KERNELS = ", no kernels"
+
+
 def mlx_spec(
     target: nn.Module,
     n: int,
@@ -183,7 +187,7 @@ def mlx_spec(
     compares each with its own kind."""
     kind = "draft" if draft is not None else "mtp" if drafter == "mtp" else "lookup"
     kind += f" {acceptance}" if acceptance != "coupled" else ""
-    kind += ", no kernels" if not fused else ""
+    kind += NO_KERNELS if not fused else ""
     # One policy for all of the method's generations, as a caller keeps it: it measures what
     # rounds cost once.
     policy = Adaptive(n) if adaptive else Fixed(n)
