@@ -166,7 +166,9 @@ class _Meter:
         long = max((len(t) for n, t in self._rounds.items() if n > 1), default=0)
         if min(short, long) > _ROUNDS:
             return 0
-        return 1 if top == 1 or long > _ROUNDS or short < min(long, _ROUNDS + 1) else top
+        if short > _ROUNDS or (long <= _ROUNDS and short >= long):
+            return top
+        return 1
 
     def record(self, outcome: Outcome) -> Calibration | None:
         """Counts a timed round or plain step: the costs measured so far, once there are enough."""

@@ -258,7 +258,7 @@ def test_mtp_cost_times_the_three_steps_on_the_demo_pair(capsys):
     assert rows[0]["mtp"] < rows[0]["target"]
 
 
-def test_batched_runs_every_method_and_the_serial_one_generates_what_the_batch_does(capsys):
+def test_batched_runs_every_method_and_the_serial_one_generates_as_many_tokens(capsys):
     results = benchmark("batched").main(
         ["--batches", "2", "--tokens", "6", "--prompts", "2", "--passes", "1", "--workload", "open"]
     )
