@@ -171,6 +171,8 @@ class _Sequence:
         cap (int): the most it may draft next round (its budget, or its proposal's length).
         draft (list of int): its prompt lookup proposal for the next round.
         label (int): that proposal's kind (:attr:`mlx_spec.drafters.Draft.label`).
+        stop (StopSequences.Matcher, optional): mlx-lm's matcher of its stop sequences, which
+            end it at their last token (``None``: the batch's EOS ids do).
     """
 
     uid: int
@@ -185,6 +187,11 @@ class _Sequence:
     cap: int = 0
     draft: list[int] = field(default_factory=list)
     label: int = 0
+    stop: Any = None
+
+    def ends(self, token: int, eos: set[int]) -> bool:
+        """Whether ``token``, just emitted, ends the sequence with finish reason ``"stop"``."""
+        return self.stop.advance(token) if self.stop is not None else token in eos
 
     def budget(self) -> int:
         """The draft tokens a round may verify: a round emits at most that many and one more."""
@@ -203,20 +210,54 @@ def _padded(rows: list[list[int]], width: int, fill: int) -> mx.array:
     return mx.array([row + [fill] * (width - len(row)) for row in rows], dtype=mx.uint32)
 
 
-def _prefill(model: nn.Module, prompts: list[list[int]], step: int) -> list[Any]:
+def _prefill(
+    model: nn.Module, prompts: list[list[int]], step: int, started: list[list[Any] | None]
+) -> list[Any]:
     """The batch caches of ``model`` holding each prompt but its last token, filled as mlx-lm's
-    ``BatchGenerator`` fills them (right padded, then each row moved behind left padding)."""
-    caches = [make_prompt_cache(model) for _ in prompts]
+    ``BatchGenerator`` fills them (right padded, then each row moved behind left padding), each
+    row from its ``started`` caches where given (which hold the prompt's first tokens)."""
+    caches = [c if c is not None else make_prompt_cache(model) for c in started]
+    held = [c[0].offset if c else 0 for c in caches]
     batch = PromptProcessingBatch(model, list(range(len(prompts))), caches, prefill_step_size=step)
-    batch.prompt([p[:-1] for p in prompts])
+    batch.prompt([p[h:-1] for p, h in zip(prompts, held, strict=True)])
     return batch.prompt_cache
 
 
-def _finish(count: int, token: int, most: int, eos: set[int]) -> str | None:
-    """mlx-lm's finish reason after a sequence's ``count``-th token ``token``."""
-    if token in eos:
-        return "stop"
-    return "length" if count >= most else None
+def held_tokens(caches: object, layers: int, prompt_length: int) -> int | None:
+    """The tokens ``caches`` hold, where a batch can start a prompt of ``prompt_length`` tokens
+    from them: a list of ``layers`` ``KVCache`` all holding the same number, less than the
+    prompt's; else ``None``."""
+    if not isinstance(caches, list) or len(caches) != layers:
+        return None
+    if not all(type(c) is KVCache for c in caches):
+        return None
+    offsets = {c.offset for c in caches}
+    held = offsets.pop() if len(offsets) == 1 else None
+    return held if held is not None and held < prompt_length else None
+
+
+def _split_started(
+    op: str,
+    started: list[list[Any] | None],
+    prompts: list[list[int]],
+    model: nn.Module,
+    draft_model: nn.Module | None,
+) -> tuple[list[list[Any] | None], list[list[Any] | None]]:
+    """Each row's caches to start from split into the target's layers and the draft model's,
+    after checking them (:func:`held_tokens`)."""
+    layers = len(make_prompt_cache(model))
+    drafts = len(make_prompt_cache(draft_model)) if draft_model is not None else 0
+    for i, (caches, prompt) in enumerate(zip(started, prompts, strict=True)):
+        if caches is not None and held_tokens(caches, layers + drafts, len(prompt)) is None:
+            raise ValueError(
+                f"{op}: `prompt_caches[{i}]` must be None or {layers + drafts} KVCache layers "
+                f"(the target's, then the draft model's) holding one length, less than its "
+                f"prompt's {len(prompt)} tokens"
+            )
+    return (
+        [c[:layers] if c is not None else None for c in started],
+        [c[layers:] if c is not None else None for c in started],
+    )
 
 
 class SpeculativeBatch:
@@ -239,11 +280,17 @@ class SpeculativeBatch:
         drafter (Drafter, optional): a prompt lookup drafter; each sequence gets its own copy.
         prefill_step_size (int): prompt tokens per prefill call. Default: ``2048``.
         return_prompt_caches (bool): give each finished sequence's caches in its last response
-            (one target call each, for the token a round leaves unfed). Default: ``False``.
+            (one model call each, for the tokens a round leaves unfed). Default: ``False``.
         policy (BatchAdaptive, optional): chooses each round's ``N``, each sequence drafting up
             to ``min(N, draft_lengths[i])``; keep one across batches to keep what it measured.
             Default: none, each sequence drafting ``draft_lengths[i]`` a round.
         uids (list of int, optional): each sequence's id in responses. Default: ``0 .. B - 1``.
+        prompt_caches (list, optional): for each sequence ``None`` or the caches to start it
+            from, as :attr:`mlx_lm.generate.GenerationBatch.Response.prompt_cache` gives them:
+            ``KVCache`` layers of the target, then of the draft model, all holding the
+            prompt's first tokens (fewer than all). Default: none.
+        stop_sequences (list, optional): for each sequence mlx-lm's ``StopSequences``, whose
+            match ends it (finish reason ``"stop"``) instead of ``eos_token_ids``. Default: none.
     """
 
     def __init__(
@@ -262,7 +309,13 @@ class SpeculativeBatch:
         return_prompt_caches: bool = False,
         policy: BatchAdaptive | None = None,
         uids: list[int] | None = None,
+        prompt_caches: list[list[Any] | None] | None = None,
+        stop_sequences: list[Any] | None = None,
     ) -> None:
+        count = len(prompts)
+        started, started_drafts = _split_started(
+            "SpeculativeBatch", prompt_caches or [None] * count, prompts, model, draft_model
+        )
         self.model = model
         self.policy = policy
         self.draft_model = draft_model
@@ -270,26 +323,28 @@ class SpeculativeBatch:
         self.eos = set(eos_token_ids)
         self._eos = mx.array(eos_token_ids, dtype=mx.uint32) if eos_token_ids else None
         self.return_prompt_caches = return_prompt_caches
-        count = len(prompts)
         rules = [make_rule(s, "coupled", self.vocab) for s in samplers or [None] * count]
         self.sequences = [
-            _sequence(uid, prompt, drafter, n, most, rule, key, policy)
-            for uid, prompt, n, most, rule, key in zip(
+            _sequence(uid, prompt, drafter, n, most, rule, key, policy, stop)
+            for uid, prompt, n, most, rule, key, stop in zip(
                 uids if uids is not None else range(count),
                 prompts,
                 draft_lengths,
                 max_tokens,
                 rules,
                 keys or [None] * count,
+                stop_sequences or [None] * count,
                 strict=True,
             )
         ]
         # A sampler that exposes no distribution is called with mx.random's global state set
         # to each position's (as single-sequence generation calls it); a round puts it back.
         self._seeds = any(rule.seeds for rule in rules)
-        self.cache = _prefill(model, prompts, prefill_step_size)
+        self.cache = _prefill(model, prompts, prefill_step_size, started)
         self.draft_cache = (
-            _prefill(draft_model, prompts, prefill_step_size) if draft_model is not None else []
+            _prefill(draft_model, prompts, prefill_step_size, started_drafts)
+            if draft_model is not None
+            else []
         )
         self.rounds = 0
         # The plain step started and not yet read, whether another follows it, and the time of
@@ -379,8 +434,9 @@ class SpeculativeBatch:
         Returns:
             list: a ``GenerationBatch.Response`` for each token emitted, in order per sequence;
             a sequence's last one has its finish reason (``"stop"`` or ``"length"``), its
-            prompt cache (the target's, holding its prompt and every token it emitted) and all
-            its tokens. Finished sequences leave the batch.
+            prompt cache (with ``return_prompt_caches``: the target's layers, then the draft
+            model's, holding its prompt and every token it emitted) and all its tokens.
+            Finished sequences leave the batch.
         """
         if not self.sequences:
             return []
@@ -430,9 +486,9 @@ class SpeculativeBatch:
             return_prompt_caches (bool): give each one's caches. Default: ``False``.
 
         Returns:
-            dict: uid to ``(caches, tokens)``: the target's caches of that sequence alone,
-            holding its prompt and every token it emitted, and those tokens (ints); empty
-            without ``return_prompt_caches``.
+            dict: uid to ``(caches, tokens)``: the caches of that sequence alone (the
+            target's, then the draft model's), holding its prompt and every token it emitted,
+            and those tokens (ints); empty without ``return_prompt_caches``.
         """
         gone = set(uids)
         caches = {}
@@ -542,7 +598,10 @@ class SpeculativeBatch:
         responses = []
         for j, token in enumerate(emitted):
             s.text.extend([token])
-            reason = _finish(s.text.position, token, s.max_tokens, self.eos)
+            # mlx-lm's order: a stop sequence's last token ends a sequence as "stop" also when
+            # it is the last token it may emit.
+            reason = "length" if s.text.position >= s.max_tokens else None
+            reason = "stop" if s.ends(token, self.eos) else reason
             everything = s.text.ids(0) if reason else None
             responses.append(Response(s.uid, token, logprobs[j], reason, None, everything))
             if reason:
@@ -550,15 +609,23 @@ class SpeculativeBatch:
         return responses
 
     def _final_cache(self, uid: int) -> list[Any]:
-        """The target's caches of sequence ``uid`` alone, holding its prompt and every token it
-        emitted (the rounds leave its last token unfed; it is fed here)."""
+        """The caches of sequence ``uid`` alone (the target's, then the draft model's), holding
+        its prompt and every token it emitted: the tokens a round leaves unfed are fed here,
+        those a stop sequence cut off taken back."""
         i = next(i for i, s in enumerate(self.sequences) if s.uid == uid)
         s = self.sequences[i]
-        caches = [layer.extract(i) for layer in self.cache]
-        missing = len(s.text) - caches[0].offset
-        if missing:
-            self.model(mx.array([s.text.ids(len(s.text) - missing)]), cache=caches)
-        return caches
+        final = []
+        for model, batched in ((self.model, self.cache), (self.draft_model, self.draft_cache)):
+            if not batched:
+                continue
+            caches = [layer.extract(i) for layer in batched]
+            missing = len(s.text) - caches[0].offset
+            if missing > 0:
+                model(mx.array([s.text.ids(len(s.text) - missing)]), cache=caches)
+            for layer in caches if missing < 0 else ():
+                layer.trim(-missing)
+            final += caches
+        return final
 
     def _filter(self, keep: list[int]) -> None:
         """Keeps rows ``keep`` of the batch and its caches."""
@@ -586,9 +653,11 @@ def _sequence(
     rule: Rule,
     key: mx.array | None,
     policy: BatchAdaptive | None,
+    stop: Any = None,
 ) -> _Sequence:
     """A sequence with its own copy of ``drafter``, started on its prompt, the chain of its key
-    where its rule samples, and its acceptance estimate where ``policy`` adapts."""
+    where its rule samples, its acceptance estimate where ``policy`` adapts and its matcher of
+    the ``stop`` sequences where given."""
     text = Text(mx.array(prompt, dtype=mx.uint32), list(prompt))
     mine = None
     if drafter is not None:
@@ -596,7 +665,8 @@ def _sequence(
         mine.start(text, DraftSetup(rule))
     chain = KeyChain(key, rule.steps) if rule.random else None
     estimate = policy.sequence() if policy is not None else None
-    return _Sequence(uid, text, mine, draft_length, max_tokens, rule, chain, estimate)
+    matcher = stop.matcher() if stop is not None else None
+    return _Sequence(uid, text, mine, draft_length, max_tokens, rule, chain, estimate, stop=matcher)
 
 
 def _per_prompt(
@@ -611,6 +681,17 @@ def _per_prompt(
             )
         return [check_int(op, name, v, least, most) for v in value]
     return [check_int(op, name, value, least, most)] * count
+
+
+def _per_sequence(op: str, name: str, value: object, count: int) -> list[Any]:
+    """A list of ``count`` items (``None`` where ``value`` is ``None``)."""
+    if value is None:
+        return [None] * count
+    if not isinstance(value, (list, tuple)) or len(value) != count:
+        raise ValueError(
+            f"{op}: `{name}` must be None or a list of one per prompt ({count}), got {value!r}"
+        )
+    return list(value)
 
 
 def _check_prompts(op: str, prompts: object, vocab: int | None) -> list[list[int]]:
@@ -846,7 +927,10 @@ def batch_generate(
     return BatchResponse(
         texts=[tokenizer.decode(t) for t in tokens],
         stats=stats,
-        caches=[rs[-1].prompt_cache for rs in results] if return_prompt_caches else None,
+        # The target's layers alone, as mlx-lm's (a draft model's follow them).
+        caches=[rs[-1].prompt_cache[: len(make_prompt_cache(model))] for rs in results]
+        if return_prompt_caches
+        else None,
         token_ids=tokens if return_token_ids else None,
         logprobs=[
             [r.logprobs[r.token].item() for r in rs if r.finish_reason != "stop"] for rs in results
@@ -898,7 +982,13 @@ class SpeculativeBatchGenerator:
             Default: greedy.
         completion_batch_size (int): the most sequences decoded at once, ``>= 1``. Default:
             ``32``.
+        prefill_batch_size (int, optional): the most sequences prefilled together when they
+            join, ``>= 1``. Default: as many as there is room for.
         prefill_step_size (int): prompt tokens per prefill call, ``>= 1``. Default: ``2048``.
+        return_prompt_caches (bool): give each finished sequence's caches in its last response
+            (:class:`SpeculativeBatch`). Default: ``False``.
+        stream (mx.Stream, optional): the stream everything runs on. Default: mlx-lm's
+            generation stream.
 
     Raises:
         ValueError: an argument is of the wrong type or out of range; the message names it.
@@ -917,7 +1007,10 @@ class SpeculativeBatchGenerator:
         eos_token_ids: Sequence[int] = (),
         sampler: Any = None,
         completion_batch_size: int = 32,
+        prefill_batch_size: int | None = None,
         prefill_step_size: int = 2048,
+        return_prompt_caches: bool = False,
+        stream: mx.Stream | None = None,
     ) -> None:
         op = "SpeculativeBatchGenerator"
         _check_batchable(op, "model", model)
@@ -939,18 +1032,51 @@ class SpeculativeBatchGenerator:
         self.completion_batch_size = check_int(
             op, "completion_batch_size", completion_batch_size, 1
         )
+        self.prefill_batch_size = (
+            None
+            if prefill_batch_size is None
+            else check_int(op, "prefill_batch_size", prefill_batch_size, 1)
+        )
         self.prefill_step_size = check_int(op, "prefill_step_size", prefill_step_size, 1)
+        if not isinstance(return_prompt_caches, bool):
+            raise ValueError(
+                f"{op}: `return_prompt_caches` must be a bool, got {return_prompt_caches!r}"
+            )
+        if stream is not None and not isinstance(stream, (mx.Stream, mx.Device)):
+            raise ValueError(f"{op}: `stream` must be an mx.Stream or None, got {stream!r}")
+        self.return_prompt_caches = return_prompt_caches
+        self.stream = stream if stream is not None else _mlx_lm.lm.generation_stream
         self.model = model
         self.draft_model = draft_model
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self._uids = 0
-        # Sequences waiting to join: (uid, prompt, max_tokens, sampler, key).
-        self._waiting: deque[tuple[int, list[int], int, Any, mx.array | None]] = deque()
+        # Sequences waiting to join: (uid, prompt, max_tokens, sampler, key, draft length,
+        # caches to start from, stop sequences).
+        self._waiting: deque[tuple[Any, ...]] = deque()
         self._batch: SpeculativeBatch | None = None
 
     def __len__(self) -> int:
         """int: the sequences running or waiting."""
         return len(self._waiting) + (len(self._batch) if self._batch is not None else 0)
+
+    @property
+    def waiting(self) -> list[int]:
+        """list of int: the uids of the sequences waiting to join, in order."""
+        return [w[0] for w in self._waiting]
+
+    @property
+    def running(self) -> list[int]:
+        """list of int: the uids of the sequences in the batch, in order."""
+        return [s.uid for s in self._batch.sequences] if self._batch is not None else []
+
+    @property
+    def prompt_cache_nbytes(self) -> int:
+        """int: the bytes of every cache the generator holds, running or waiting (as mlx-lm's
+        ``BatchGenerator.prompt_cache_nbytes`` counts them)."""
+        total = sum(c.nbytes for w in self._waiting if w[6] is not None for c in w[6])
+        if self._batch is not None:
+            total += sum(c.nbytes for c in self._batch.cache + self._batch.draft_cache)
+        return total
 
     def insert(
         self,
@@ -958,6 +1084,10 @@ class SpeculativeBatchGenerator:
         max_tokens: int | Sequence[int] | None = None,
         samplers: Sequence[Any] | None = None,
         keys: Sequence[mx.array | None] | None = None,
+        *,
+        draft_lengths: Sequence[int] | None = None,
+        prompt_caches: Sequence[list[Any] | None] | None = None,
+        stop_sequences: Sequence[Any] | None = None,
     ) -> list[int]:
         """Queues sequences to join the batch at the next :meth:`next`.
 
@@ -970,6 +1100,15 @@ class SpeculativeBatchGenerator:
             keys (list of array, optional): one ``[2]`` uint32 key per prompt (``None`` for a
                 greedy one). Default: drawn from ``mx.random``'s global state, as
                 :func:`batch_generate` draws them.
+            draft_lengths (list of int, optional): each one's most draft tokens a round, in
+                ``[0, MAX_DRAFT_TOKENS]``; with adaptive lengths the policy's most caps it too.
+                Default: the generator's ``num_draft_tokens``.
+            prompt_caches (list, optional): each one's caches to start from, or ``None``
+                (:class:`SpeculativeBatch`'s ``prompt_caches``: the target's ``KVCache``
+                layers, then the draft model's, holding the prompt's first tokens). Default:
+                none.
+            stop_sequences (list, optional): each one's mlx-lm ``StopSequences``, or ``None``
+                (the generator's ``eos_token_ids`` end it). Default: none.
 
         Returns:
             list of int: each sequence's uid, numbered on from the last inserted.
@@ -984,10 +1123,29 @@ class SpeculativeBatchGenerator:
             op, [self.sampler] * len(ids) if samplers is None else samplers, len(ids)
         )
         rules = [make_rule(s, "coupled", vocab_size(self.model)) for s in chosen]
+        lengths = _per_prompt(
+            op,
+            "draft_lengths",
+            self.num_draft_tokens if draft_lengths is None else list(draft_lengths),
+            len(ids),
+            0,
+            MAX_DRAFT_TOKENS,
+        )
+        started = _per_sequence(op, "prompt_caches", prompt_caches, len(ids))
+        _split_started(op, started, ids, self.model, self.draft_model)
+        stops = _per_sequence(op, "stop_sequences", stop_sequences, len(ids))
+        for i, stop in enumerate(stops):
+            if stop is not None and not callable(getattr(stop, "matcher", None)):
+                raise ValueError(
+                    f"{op}: `stop_sequences[{i}]` must be None or an mlx-lm StopSequences, got "
+                    f"{stop!r}"
+                )
         drawn = _check_keys(op, keys, rules)
         uids = list(range(self._uids, self._uids + len(ids)))
         self._uids += len(ids)
-        self._waiting.extend(zip(uids, ids, most, chosen, drawn, strict=True))
+        self._waiting.extend(
+            zip(uids, ids, most, chosen, drawn, lengths, started, stops, strict=True)
+        )
         return uids
 
     def remove(self, uids: Sequence[int], return_prompt_caches: bool = False) -> dict[int, Any]:
@@ -1010,7 +1168,7 @@ class SpeculativeBatchGenerator:
             if return_prompt_caches:
                 caches[waiting[0]] = (make_prompt_cache(self.model), [])
         if self._batch is not None:
-            with mx.stream(_mlx_lm.lm.generation_stream):
+            with mx.stream(self.stream):
                 caches.update(self._batch.remove(list(gone), return_prompt_caches))
         return caches
 
@@ -1021,7 +1179,7 @@ class SpeculativeBatchGenerator:
             list: a ``GenerationBatch.Response`` for each token emitted (none while nothing
             runs), as :meth:`SpeculativeBatch.next` gives them.
         """
-        with mx.stream(_mlx_lm.lm.generation_stream):
+        with mx.stream(self.stream):
             running = len(self._batch) if self._batch is not None else 0
             if self._waiting and running < self.completion_batch_size:
                 if self._batch is not None and self._batch.in_flight:
@@ -1032,14 +1190,15 @@ class SpeculativeBatchGenerator:
 
     def _join(self, room: int) -> None:
         """Prefills up to ``room`` waiting sequences and adds them to the batch."""
-        joining = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
-        uids, prompts, most, samplers, keys = (
+        room = min(room, self.prefill_batch_size or room, len(self._waiting))
+        joining = [self._waiting.popleft() for _ in range(room)]
+        uids, prompts, most, samplers, keys, lengths, started, stops = (
             list(column) for column in zip(*joining, strict=True)
         )
         batch = SpeculativeBatch(
             self.model,
             prompts,
-            [self.num_draft_tokens] * len(prompts),
+            lengths,
             most,
             self.eos_token_ids,
             samplers,
@@ -1047,8 +1206,11 @@ class SpeculativeBatchGenerator:
             draft_model=self.draft_model,
             drafter=self._drafter,
             prefill_step_size=self.prefill_step_size,
+            return_prompt_caches=self.return_prompt_caches,
             policy=self.policy,
             uids=uids,
+            prompt_caches=started,
+            stop_sequences=stops,
         )
         if self._batch is None or not len(self._batch):
             self._batch = batch

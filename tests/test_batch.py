@@ -371,9 +371,8 @@ def test_sequences_join_and_leave_as_in_mlx_lms_batch_generator(tokenizer, draft
         "fixed": {"adaptive": False},
         "plain steps": {"policy": BatchAdaptive(3, {b: DEAR for b in range(1, 5)})},
     }[lengths]
-    drafting = (
-        {"drafter": drafter} if drafter == "prompt-lookup" else {"draft_model": cut(model, 1)}
-    )
+    draft = cut(model, 1) if drafter == "draft-model" else None
+    drafting = {"drafter": drafter} if draft is None else {"draft_model": draft}
     mine = mlx_spec.SpeculativeBatchGenerator(model, eos_token_ids=eos, **drafting, **chosen)
     got, (caches, held) = drive(mine.insert, mine.remove, mine.next, max_tokens)
     assert [got[k] for k in "ACD"] == [want[k] for k in "ACD"]
@@ -381,8 +380,11 @@ def test_sequences_join_and_leave_as_in_mlx_lms_batch_generator(tokenizer, draft
     whole = plain(model, tokenizer, [PROMPTS[2]], max_tokens[1])[0]
     assert len(got["B"]) >= 6 and got["B"] == whole[: len(got["B"])]
     assert held == PROMPTS[2] + got["B"]
-    fresh = make_prompt_cache(model)
-    model(mx.array([held]), cache=fresh)
+    # The target's caches, then the draft model's.
+    fresh = []
+    for each in (model, draft) if draft is not None else (model,):
+        fresh += make_prompt_cache(each)
+        each(mx.array([held]), cache=fresh[-len(each.layers) :])
     for a, b in zip(caches, fresh, strict=True):
         assert a.offset == b.offset == len(held)
         np.testing.assert_allclose(
