@@ -48,6 +48,7 @@ import queue
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -797,6 +798,10 @@ class _Refused(BaseException):
         self.error = error
 
 
+class _RequestRefused(ValueError):
+    """A request the patched server refuses before it starts the generation (answered 400)."""
+
+
 class _CheckedResponses:
     """A handler's ``ResponseGenerator`` whose ``generate`` reads a request's first event (a
     stream) or all of them (a whole body) before it returns, so that an error raised by then
@@ -814,7 +819,7 @@ class _CheckedResponses:
     ) -> tuple[Any, Iterator[Any]]:
         if not self._stream:
             # A whole body is sent once the generation ends: read it all now, in this thread.
-            ctx, responses = self._generator.generate(request, args, progress_callback)
+            ctx, responses = self._started(request, args, progress_callback)
             try:
                 return ctx, iter(list(responses))
             except Exception as error:
@@ -822,9 +827,7 @@ class _CheckedResponses:
         # A stream: read on another thread until the generation starts (its first prompt
         # progress, after the loop checked its arguments) or fails; then hand on what it read.
         events: queue.Queue[tuple[str, Any]] = queue.Queue()
-        ctx, responses = self._generator.generate(
-            request, args, lambda *done: events.put(("progress", done))
-        )
+        ctx, responses = self._started(request, args, lambda *done: events.put(("progress", done)))
 
         def pump() -> None:
             try:
@@ -852,6 +855,14 @@ class _CheckedResponses:
                 kind, value = events.get()
 
         return ctx, handed_on()
+
+    def _started(self, request: Any, args: Any, progress: Any) -> tuple[Any, Iterator[Any]]:
+        """The generator's ``generate``, a request it refused before starting a :class:`_Refused`
+        (mlx-lm's handler would answer it 404)."""
+        try:
+            return self._generator.generate(request, args, progress)
+        except _RequestRefused as error:
+            raise _Refused(error) from error
 
 
 def _status(error: BaseException) -> int:
@@ -999,21 +1010,134 @@ def _never(model: Any) -> bool:
     return False
 
 
-#: ``serial(model)``: whether the patched server serves ``model``'s requests one at a time (set
-#: by :func:`patch_server`).
-_serial: dict[str, Callable[[Any], bool]] = {"model": _never}
+def _no_batches(model: Any, draft_model: Any) -> None:
+    return None
 
 
-def _one_at_a_time(load: Callable[..., None]) -> Callable[..., None]:
-    """``ModelProvider._load`` that makes a model which ``_serial`` names not batchable: its
-    requests then go one at a time through ``stream_generate``, which drafts for them."""
+#: What the patched server asks of each model it loads (set by :func:`patch_server`):
+#: ``serial(model)``, whether it serves the model's requests one at a time; and
+#: ``batches(model, draft_model)``, the maker of the generator that batches them speculatively,
+#: or ``None``.
+_choices: dict[str, Callable[..., Any]] = {"serial": _never, "batches": _no_batches}
 
-    def load_one_at_a_time(self: Any, *args: Any, **kwargs: Any) -> None:
+#: The loaded model whose requests batch speculatively, if any: ``model`` (a weak reference),
+#: ``make`` (its generator's maker) and ``most`` (the server's ``--num-draft-tokens``).
+_speculating: dict[str, Any] = {}
+
+
+class DraftTokens(list):
+    """A request's logits processors (a list, as mlx-lm's server makes them) that also carry its
+    ``num_draft_tokens`` to the generator that batches it.
+
+    Attributes:
+        num_draft_tokens (int): the most draft tokens a round the request asked for.
+    """
+
+    def __init__(self, processors: Any, num_draft_tokens: int) -> None:
+        super().__init__(processors)
+        self.num_draft_tokens = num_draft_tokens
+
+
+def _speculating_on(model: Any) -> bool:
+    """Whether ``model`` is the loaded model whose requests batch speculatively."""
+    return bool(_speculating) and model is not None and _speculating["model"]() is model
+
+
+def _choosing(load: Callable[..., None]) -> Callable[..., None]:
+    """``ModelProvider._load`` that makes a model which ``serial`` names not batchable (its
+    requests then go one at a time through ``stream_generate``, which drafts for them), and one
+    for which ``batches`` gives a maker batchable, with a draft model too (its requests then
+    batch speculatively: :func:`_batching`)."""
+
+    def load_and_choose(self: Any, *args: Any, **kwargs: Any) -> None:
         load(self, *args, **kwargs)
-        if self.model is not None and _serial["model"](self.model):
+        _speculating.clear()
+        if self.model is None:
+            return
+        if _choices["serial"](self.model):
             self.is_batchable = False
+            return
+        make = _choices["batches"](self.model, getattr(self, "draft_model", None))
+        if make is not None and _batching_patched():
+            most = getattr(getattr(self, "cli_args", None), "num_draft_tokens", None)
+            _speculating.update(model=weakref.ref(self.model), make=make, most=most or 3)
+            self.is_batchable = True
 
-    return load_one_at_a_time
+    return load_and_choose
+
+
+#: The server's keyword arguments to ``BatchGenerator`` that a speculative generator takes.
+_GENERATOR_ARGUMENTS = frozenset(
+    {"completion_batch_size", "prefill_batch_size", "prefill_step_size", "stream"}
+)
+
+
+def _batching(batch_generator: type) -> Callable[..., Any]:
+    """``BatchGenerator`` as the server calls it: the speculative generator for the model whose
+    requests batch speculatively, mlx-lm's own for any other or other arguments."""
+
+    def make(model: Any, **kwargs: Any) -> Any:
+        if _speculating_on(model) and set(kwargs) <= _GENERATOR_ARGUMENTS:
+            logging.info("mlx-spec: batching speculative requests")
+            return _speculating["make"](model, num_draft_tokens=_speculating["most"], **kwargs)
+        return batch_generator(model, **kwargs)
+
+    return make
+
+
+def _batchable_request(is_batchable: Callable[[Any, Any], bool]) -> Callable[[Any, Any], bool]:
+    """``ResponseGenerator._is_batchable`` that, for a model whose requests batch speculatively,
+    also leaves to be served one at a time a request with logits processors (a logit bias or a
+    penalty) or more draft tokens than the server's ``--num-draft-tokens``."""
+
+    def batchable(self: Any, args: Any) -> bool:
+        if not is_batchable(self, args):
+            return False
+        if not _speculating_on(getattr(self.model_provider, "model", None)):
+            return True
+        server = sys.modules["mlx_lm.server"]
+        processors = _unpatched(server, "_make_logits_processors")(args)
+        n = args.num_draft_tokens
+        return not processors and isinstance(n, int) and 0 <= n <= _speculating["most"]
+
+    return batchable
+
+
+def _carrying_draft_tokens(make_processors: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """The server's ``_make_logits_processors(args)`` giving a :class:`DraftTokens`."""
+
+    def make(args: Any) -> DraftTokens:
+        return DraftTokens(make_processors(args), args.num_draft_tokens)
+
+    return make
+
+
+def _refusing_empty_prompts(tokenize: Callable[..., Any]) -> Callable[..., Any]:
+    """``ResponseGenerator._tokenize`` refusing a request whose prompt has no token, with a
+    ``ValueError`` the server answers (a batch given an empty prompt would end the generation
+    thread: mlx-lm's raises there, outside the ``try`` that answers errors)."""
+
+    def tokenize_non_empty(self: Any, tokenizer: Any, request: Any, args: Any) -> Any:
+        tokenized = tokenize(self, tokenizer, request, args)
+        if not len(tokenized[0]):
+            raise _RequestRefused(
+                "mlx_lm.server (patched): `prompt` must be a non-empty list of tokens, got a "
+                "request whose text gives none"
+            )
+        return tokenized
+
+    return tokenize_non_empty
+
+
+#: The names :func:`_batching_probes` replaces, which batch speculative requests all together.
+_BATCHING_NAMES = frozenset(
+    {"BatchGenerator", "_is_batchable", "_make_logits_processors", "_tokenize"}
+)
+
+
+def _batching_patched() -> bool:
+    """Whether :func:`patch_server` replaced every part that batches speculative requests."""
+    return _BATCHING_NAMES <= {name for _, name in _server_originals}
 
 
 #: What :func:`patch_server` replaced: ``(owner, name) -> original``.
@@ -1069,10 +1193,10 @@ def _server_probes(server: Any) -> list[tuple[Any, str, Callable[[Any], Any]]]:
     provider = getattr(server, "ModelProvider", None)
     try:
         sets = _unpatched(provider, "_load").__code__.co_names
-        reads = generator._is_batchable.__code__.co_names
+        reads = _unpatched(generator, "_is_batchable").__code__.co_names
         if "is_batchable" not in sets or "is_batchable" not in reads:
             raise AttributeError("ModelProvider._load or _is_batchable has no is_batchable")
-        found.append((provider, "_load", _one_at_a_time))
+        found.append((provider, "_load", _choosing))
     except AttributeError as error:
         _part_lost(
             "mlx_lm.server",
@@ -1080,10 +1204,56 @@ def _server_probes(server: Any) -> list[tuple[Any, str, Callable[[Any], Any]]]:
             error,
             "the requests to a model with an MTP head are batched, without drafts",
         )
+        return found
+    try:
+        found += _batching_probes(server, generator)
+    except (AttributeError, TypeError, ValueError) as error:
+        _part_lost(
+            "mlx_lm.server",
+            "batching speculative requests",
+            error,
+            "the requests with a draft model are served one at a time, and prompt lookup "
+            "leaves batched requests alone",
+        )
     return found
 
 
-def patch_server(*, serial: Callable[[Any], bool] = _never) -> bool:
+def _batching_probes(server: Any, generator: Any) -> list[tuple[Any, str, Callable[[Any], Any]]]:
+    """The parts that batch speculative requests, where the server makes its ``BatchGenerator``
+    by that name with the arguments :class:`mlx_spec.serving.ServerBatchGenerator` takes, asks
+    ``_is_batchable(args)`` of each request and makes its processors with
+    ``_make_logits_processors(args)``; else raises."""
+    source = inspect.getsource(_unpatched(generator, "_generate"))
+    for needed in ("BatchGenerator(", "_make_logits_processors(args)", "insert_segments("):
+        if needed not in source:
+            raise AttributeError(f"ResponseGenerator._generate has no {needed}")
+    if not isinstance(_unpatched(server, "BatchGenerator"), type):
+        raise TypeError("mlx_lm.server.BatchGenerator is not a class")
+    if list(inspect.signature(_unpatched(server, "_make_logits_processors")).parameters) != [
+        "args"
+    ]:
+        raise TypeError("mlx_lm.server._make_logits_processors does not take (args)")
+    if list(inspect.signature(_unpatched(generator, "_is_batchable")).parameters) != [
+        "self",
+        "args",
+    ]:
+        raise TypeError("ResponseGenerator._is_batchable does not take (self, args)")
+    tokenize = list(inspect.signature(_unpatched(generator, "_tokenize")).parameters)
+    if tokenize != ["self", "tokenizer", "request", "args"] or "prompt, " not in source:
+        raise TypeError(f"ResponseGenerator._tokenize{tokenize} does not give the prompt first")
+    return [
+        (server, "BatchGenerator", _batching),
+        (generator, "_is_batchable", _batchable_request),
+        (server, "_make_logits_processors", _carrying_draft_tokens),
+        (generator, "_tokenize", _refusing_empty_prompts),
+    ]
+
+
+def patch_server(
+    *,
+    serial: Callable[[Any], bool] = _never,
+    batches: Callable[[Any, Any], Callable[..., Any] | None] = _no_batches,
+) -> bool:
     """Makes ``mlx_lm.server`` (imported here) answer every request; idempotent.
 
     - ``APIHandler.handle_completion`` answers an error raised by a generation with an HTTP
@@ -1094,11 +1264,21 @@ def patch_server(*, serial: Callable[[Any], bool] = _never) -> bool:
     - ``ResponseGenerator._run_generate`` ends the generation thread with ``mx.clear_streams()``.
     - ``ModelProvider._load`` marks a model for which ``serial(model)`` holds not batchable, so
       that its requests go one at a time through ``stream_generate`` (which drafts), not through
-      batched generation (which does not).
+      batched generation (which does not); and one for which ``batches(model, draft_model)``
+      gives a maker batchable, also with a draft model.
+    - The server's ``BatchGenerator(model, ...)`` gives, for that model, what the maker makes
+      (:class:`mlx_spec.serving.ServerBatchGenerator`), with ``num_draft_tokens`` the server's
+      ``--num-draft-tokens``; ``_make_logits_processors`` gives a :class:`DraftTokens`, which
+      carries each request's ``num_draft_tokens`` to it; and ``_is_batchable`` leaves a request
+      with logits processors or more draft tokens than that to be served one at a time.
 
     Args:
         serial (callable): ``serial(model) -> bool``, asked of each model the server loads.
             Default: no model.
+        batches (callable): ``batches(model, draft_model)``, asked of each model the server
+            loads that is not served one at a time: ``None``, or ``make(model, *,
+            num_draft_tokens, completion_batch_size, prefill_batch_size, prefill_step_size,
+            stream)`` making the generator that batches its requests. Default: none.
 
     Returns:
         bool: whether mlx-lm's server could be imported (an mlx-lm without it changes nothing).
@@ -1107,7 +1287,7 @@ def patch_server(*, serial: Callable[[Any], bool] = _never) -> bool:
         server = importlib.import_module("mlx_lm.server")
     except ImportError:
         return False
-    _serial["model"] = serial
+    _choices.update(serial=serial, batches=batches)
     for owner, name, make in _server_probes(server):
         if (owner, name) not in _server_originals:
             original = getattr(owner, name)
@@ -1121,7 +1301,8 @@ def unpatch_server() -> None:
     for (owner, name), original in _server_originals.items():
         setattr(owner, name, original)
     _server_originals.clear()
-    _serial["model"] = _never
+    _speculating.clear()
+    _choices.update(serial=_never, batches=_no_batches)
 
 
 # --- batch caches ----------------------------------------------------------------------------
@@ -1258,7 +1439,7 @@ def report() -> dict[str, bool]:
         "ArraysCache snapshots through state": snapshot(arrays)[0] == "state",
         "RotatingKVCache snapshots through state": snapshot(rotating)[0] == "state",
         "mlx-lm's functions found": lm.greedy_sampler is not None,
-        "mlx-lm's server patched whole": len(_server_probes(server)) == 4,
+        "mlx-lm's server patched whole": len(_server_probes(server)) == 8,
         "mlx-lm's load takes mlx_spec.load's parameters": (
             list(inspect.signature(lm.load).parameters)
             == list(inspect.signature(mtp_convert.load).parameters)

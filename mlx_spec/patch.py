@@ -34,23 +34,27 @@
   prompt cache holds exactly is answered, its last token fed again; the generation thread ends
   with ``mx.clear_streams()``; with ``mtp=True``, the requests to a model with an MTP head and no
   draft model are served one at a time through ``stream_generate``, which drafts with the head,
-  instead of batched.
+  instead of batched. The requests to a model with a draft model, or with ``prompt_lookup=True``
+  without one, are batched speculatively (:mod:`mlx_spec.serving`) where both models' caches
+  batch (all ``KVCache``); a request with logits processors (a logit bias or a penalty), a seed
+  or more draft tokens than the server's ``--num-draft-tokens`` is served one at a time.
 
 :func:`unpatch_mlx_lm` undoes it.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse
 
-from . import _mlx_lm, batch, generation, mtp_convert
+from . import _mlx_lm, batch, generation, mtp_convert, serving
 from ._mlx_lm import lm
 from .mtp import head_of
 from .sampling import make_sampler
@@ -140,6 +144,24 @@ def _serial(model: Any) -> bool:
     """Whether the patched server serves ``model``'s requests one at a time, each through
     :func:`_stream_generate`: where that drafts for it with no draft model (its MTP head)."""
     return _default_drafter(model) == "mtp"
+
+
+def _server_batches(model: Any, draft_model: Any) -> Callable[..., Any] | None:
+    """The maker of the generator that batches the patched server's requests to ``model``
+    speculatively (:class:`mlx_spec.serving.ServerBatchGenerator`): with its draft model, or
+    without one with ``prompt_lookup=True``; ``None`` where they do not speculate or a model's
+    caches do not batch (they are then served as mlx-lm serves them)."""
+    if draft_model is None and _default_drafter(model) != "prompt-lookup":
+        return None
+    op = "mlx_lm.server (patched)"
+    try:
+        batch._check_batchable(op, "model", model)
+        if draft_model is not None:
+            batch._check_batchable(op, "draft_model", draft_model)
+    except ValueError:
+        return None
+    drafter = None if draft_model is not None else "prompt-lookup"
+    return functools.partial(serving.ServerBatchGenerator, draft_model=draft_model, drafter=drafter)
 
 
 def _stream_generate(*args: Any, **kwargs: Any) -> Generator[GenerationResponse, None, None]:
@@ -245,8 +267,8 @@ def patch_mlx_lm(*, prompt_lookup: bool = False, mtp: bool = False) -> None:
         prompt_lookup (bool): also make mlx-lm's single-sequence generation without a draft
             model (``stream_generate``, ``generate``, the ``mlx_lm.generate`` command) speculate
             by prompt lookup, with ``num_draft_tokens`` drafts a round, and
-            ``mlx_lm.batch_generate`` batch it (:func:`_batch_generate`). The server's batched
-            generation is not changed. Default: ``False``.
+            ``mlx_lm.batch_generate`` and the server batch it (:func:`_batch_generate`,
+            :mod:`mlx_spec.serving`). Default: ``False``.
         mtp (bool): also make mlx-lm's ``load``, the ``mlx_lm.generate`` command and the server
             load a model's MTP head where its folder has one (:func:`mlx_spec.mtp_convert.load`),
             and make mlx-lm's generation without a draft model (``stream_generate``,
@@ -263,7 +285,7 @@ def patch_mlx_lm(*, prompt_lookup: bool = False, mtp: bool = False) -> None:
             raise ValueError(f"patch_mlx_lm: `{name}` must be a bool, got {value!r}")
     _options.update(prompt_lookup=prompt_lookup, mtp=mtp)
     # Imported first, so that the server's own names are replaced below.
-    _mlx_lm.patch_server(serial=_serial)
+    _mlx_lm.patch_server(serial=_serial, batches=_server_batches)
     if mtp:
         _mlx_lm.replace_load(mtp_convert.load)
     else:

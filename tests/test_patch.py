@@ -9,6 +9,7 @@ import importlib
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -22,6 +23,7 @@ import mlx_spec.batch as spec_batch
 import mlx_spec.generation as spec_generation
 from mlx_spec import _mlx_lm, loop, mtp_convert
 from mlx_spec._mlx_lm import lm
+from mlx_spec.drafters import PromptLookupDrafter
 from mlx_spec.generation import (
     SpeculativeResponse,
     SpeculativeStats,
@@ -30,6 +32,7 @@ from mlx_spec.generation import (
 )
 from mlx_spec.mtp import MTPHead, head_of
 from mlx_spec.patch import patch_mlx_lm, unpatch_mlx_lm
+from mlx_spec.serving import ServerBatchGenerator
 
 lm_generate = importlib.import_module("mlx_lm.generate")
 lm_sample_utils = importlib.import_module("mlx_lm.sample_utils")
@@ -183,13 +186,19 @@ def mlx_lm_package():
 
 
 def server_parts(server) -> tuple:
-    """What the patch replaces in mlx-lm's server (its own names, its handler, its cache)."""
+    """What the patch replaces in mlx-lm's server (its own names, its handler, its cache, its
+    loading and its batches)."""
     return (
         server.make_sampler,
         server.stream_generate,
         server.LRUPromptCache,
         server.APIHandler.handle_completion,
         server.ResponseGenerator._run_generate,
+        server.ModelProvider._load,
+        server.BatchGenerator,
+        server.ResponseGenerator._is_batchable,
+        server._make_logits_processors,
+        server.ResponseGenerator._tokenize,
     )
 
 
@@ -622,3 +631,75 @@ def test_patched_batch_generate_runs_mlx_lms_own_for_what_batches_do_not_take(
         unpatch_mlx_lm()
     assert got.token_ids == want.token_ids
     assert not batch_calls
+
+
+DEMO = Path(__file__).resolve().parents[1] / "mlx_spec" / "demo"
+
+
+def server_request(**options) -> SimpleNamespace:
+    """What the server's ``_is_batchable`` and ``_make_logits_processors`` read of a request."""
+    logits = SimpleNamespace(
+        logit_bias=None, repetition_penalty=None, repetition_context_size=20,
+        presence_penalty=None, presence_context_size=20, frequency_penalty=None,
+        frequency_context_size=20,
+    )  # fmt: skip
+    for name in list(options):
+        if hasattr(logits, name):
+            setattr(logits, name, options.pop(name))
+    return SimpleNamespace(**{"seed": None, "num_draft_tokens": 3, "logits": logits, **options})
+
+
+@pytest.mark.parametrize("draft", [True, False])
+def test_patched_server_batches_speculative_requests(draft) -> None:
+    # With a draft model, mlx-lm's server serves requests one at a time; patched, it batches
+    # them through mlx-spec's generator, as it does with prompt lookup and no draft model.
+    server = pytest.importorskip("mlx_lm.server")
+    args = argparse.Namespace(
+        model=str(DEMO / "target"), adapter_path=None,
+        draft_model=str(DEMO / "draft") if draft else None, pipeline=False,
+        trust_remote_code=False, chat_template=None, use_default_chat_template=False,
+        num_draft_tokens=4, kv_bits=None,
+    )  # fmt: skip
+    options = {"completion_batch_size": 4, "prefill_batch_size": 2, "prefill_step_size": 64}
+
+    def serving() -> tuple[object, object]:
+        """The server's provider with the model loaded, and the generator it makes."""
+        provider = server.ModelProvider(args)
+        provider.load("default_model", None, "default_model")
+        return provider, server.BatchGenerator(provider.model, **options)
+
+    def batchable(provider: object, **request) -> bool:
+        responses = SimpleNamespace(model_provider=provider, cli_args=args)
+        return server.ResponseGenerator._is_batchable(responses, server_request(**request))
+
+    patch_mlx_lm(prompt_lookup=not draft)
+    try:
+        provider, generator = serving()
+        # A request with a seed, a logits processor or more draft tokens than the server's
+        # is served one at a time; others batch.
+        assert batchable(provider) and batchable(provider, num_draft_tokens=0)
+        assert batchable(provider, num_draft_tokens=4)
+        assert not batchable(provider, seed=3)
+        assert not batchable(provider, num_draft_tokens=5)
+        assert not batchable(provider, logit_bias={1: 2.0})
+        assert not batchable(provider, repetition_penalty=1.1)
+        made = server._make_logits_processors(server_request(num_draft_tokens=2))
+        assert made == [] and made.num_draft_tokens == 2
+    finally:
+        unpatch_mlx_lm()
+    assert provider.is_batchable and isinstance(generator, ServerBatchGenerator)
+    assert generator.generator.draft_model is provider.draft_model
+    assert generator.generator.num_draft_tokens == 4
+    assert generator.generator.prefill_batch_size == 2
+    drafter = generator.generator._drafter
+    assert drafter is None if draft else isinstance(drafter, PromptLookupDrafter)
+    # The controls: patched without prompt lookup (no draft model), and unpatched.
+    if not draft:
+        patch_mlx_lm()
+        try:
+            provider, generator = serving()
+        finally:
+            unpatch_mlx_lm()
+        assert provider.is_batchable and type(generator) is server.BatchGenerator
+    provider, generator = serving()
+    assert provider.is_batchable is not draft and type(generator) is server.BatchGenerator

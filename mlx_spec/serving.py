@@ -1,0 +1,188 @@
+"""The speculative batches of mlx-lm's server.
+
+``mlx_lm.server`` batches concurrent requests with mlx-lm's ``BatchGenerator``, and serves them
+one at a time as soon as a draft model is loaded. While :func:`mlx_spec.patch_mlx_lm` patches
+it, a model whose requests speculate (with a draft model, or with ``prompt_lookup=True``), and
+whose caches batch, has them batched by a :class:`ServerBatchGenerator` instead: the surface of
+``BatchGenerator`` that the server drives, over a :class:`mlx_spec.batch.SpeculativeBatchGenerator`.
+
+Each request joins the running batch with its own sampler, stop sequences and draft length (its
+``num_draft_tokens``), from the caches the server's prompt cache gives it where they fit. It
+leaves with its caches (the target's layers, then the draft model's), which the server files in
+its prompt cache as it files mlx-lm's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import PromptProcessingBatch
+from mlx_lm.models.cache import make_prompt_cache
+
+from .batch import SpeculativeBatchGenerator, held_tokens
+from .drafters import PromptLookupDrafter
+
+__all__ = ["ServerBatchGenerator"]
+
+PromptResponse = PromptProcessingBatch.Response
+
+
+class ServerBatchGenerator:
+    """mlx-lm's ``BatchGenerator``, as ``mlx_lm.server`` drives it, with speculation.
+
+    A request's prompt is the tokens its caches hold (``all_tokens``) and its segments. It is
+    prefilled in one call when it joins, from its caches where they fit (:func:`held_tokens`;
+    else from new caches), and reported then as a whole prompt processed: the batch saves no
+    cache at the end of a segment, so :meth:`extract_cache` gives none.
+
+    Args:
+        model (nn.Module): the target model; its caches must all be ``KVCache``.
+        draft_model (nn.Module, optional): a draft model, run as a batch. Give it or ``drafter``.
+        drafter (str or PromptLookupDrafter, optional): ``"prompt-lookup"``.
+        num_draft_tokens (int): the most draft tokens a round, the server's
+            ``--num-draft-tokens``. Default: ``3``.
+        completion_batch_size (int): the most requests decoded at once. Default: ``32``.
+        prefill_batch_size (int): the most requests prefilled together. Default: ``8``.
+        prefill_step_size (int): prompt tokens per prefill call. Default: ``2048``.
+        stream (mx.Stream, optional): the stream everything runs on. Default: mlx-lm's
+            generation stream.
+
+    Raises:
+        ValueError: an argument is of the wrong type or out of range; the message names it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        draft_model: nn.Module | None = None,
+        drafter: str | PromptLookupDrafter | None = None,
+        num_draft_tokens: int = 3,
+        completion_batch_size: int = 32,
+        prefill_batch_size: int = 8,
+        prefill_step_size: int = 2048,
+        stream: mx.Stream | None = None,
+    ) -> None:
+        self.generator = SpeculativeBatchGenerator(
+            model,
+            draft_model=draft_model,
+            drafter=drafter,
+            num_draft_tokens=num_draft_tokens,
+            completion_batch_size=completion_batch_size,
+            prefill_batch_size=prefill_batch_size,
+            prefill_step_size=prefill_step_size,
+            return_prompt_caches=True,
+            stream=stream,
+        )
+        self.layers = len(make_prompt_cache(model)) + (
+            len(make_prompt_cache(draft_model)) if draft_model is not None else 0
+        )
+        # Each waiting request's prompt length, for its prompt response when it joins.
+        self._prompts: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.generator)
+
+    def insert_segments(
+        self,
+        segments: list[list[list[int]]],
+        max_tokens: list[int] | None = None,
+        caches: list[list[Any] | None] | None = None,
+        all_tokens: list[list[int]] | None = None,
+        samplers: list[Any] | None = None,
+        logits_processors: list[list[Any]] | None = None,
+        stop_sequences: list[Any] | None = None,
+    ) -> list[int]:
+        """Queues requests, as ``BatchGenerator.insert_segments`` does.
+
+        Args:
+            segments (list): each request's prompt after what its caches hold, as lists of
+                token ids.
+            max_tokens (list of int, optional): each one's tokens to generate.
+            caches (list, optional): each one's caches from the server's prompt cache, or
+                ``None``.
+            all_tokens (list of list of int, optional): the tokens each one's caches hold.
+            samplers (list, optional): each one's sampler.
+            logits_processors (list, optional): each one's processors, which must be none (the
+                patched server serves a request with some one at a time), each list carrying
+                the request's ``num_draft_tokens`` (:class:`mlx_spec._mlx_lm.DraftTokens`).
+            stop_sequences (list, optional): each one's mlx-lm ``StopSequences``.
+
+        Returns:
+            list of int: each request's uid.
+
+        Raises:
+            ValueError: a request has logits processors, or an argument is out of range.
+        """
+        op = "ServerBatchGenerator.insert_segments"
+        count = len(segments)
+        held = all_tokens or [[] for _ in segments]
+        prompts = [
+            [*before, *(t for part in parts for t in part)]
+            for before, parts in zip(held, segments, strict=True)
+        ]
+        processors = logits_processors or [[] for _ in segments]
+        if any(processors):
+            raise ValueError(f"{op}: batched speculation takes no logits processors")
+        started = [
+            cache
+            if cache is not None and held_tokens(cache, self.layers, len(p)) == len(before)
+            else None
+            for cache, p, before in zip(caches or [None] * count, prompts, held, strict=True)
+        ]
+        lengths = [
+            getattr(ps, "num_draft_tokens", self.generator.num_draft_tokens) for ps in processors
+        ]
+        uids = self.generator.insert(
+            prompts,
+            max_tokens,
+            samplers,
+            draft_lengths=lengths,
+            prompt_caches=started,
+            stop_sequences=stop_sequences,
+        )
+        self._prompts.update(zip(uids, (len(p) for p in prompts), strict=True))
+        return uids
+
+    def next(self) -> tuple[list[PromptResponse], list[Any]]:
+        """Lets waiting requests join, then runs one round or plain step.
+
+        Returns:
+            tuple: a ``PromptProcessingBatch.Response`` for each request that joined (its whole
+            prompt processed), and a ``GenerationBatch.Response`` for each token emitted.
+        """
+        waiting = self.generator.waiting
+        generated = self.generator.next()
+        left = set(self.generator.waiting)
+        joined = [uid for uid in waiting if uid not in left]
+        if generated and not len(self.generator):
+            # The batch drained: MLX's buffer cache holds buffers of every batch size and
+            # length it met, which a later burst may not meet again.
+            mx.clear_cache()
+        prompted = []
+        for uid in joined:
+            length = self._prompts.pop(uid)
+            prompted.append(PromptResponse(uid, (length, length), True, True))
+        return prompted, generated
+
+    def extract_cache(self, uids: Sequence[int]) -> dict[int, Any]:
+        """No cache: the batch saves none at the end of a segment (see the class)."""
+        return {}
+
+    def remove(self, uids: Sequence[int], return_prompt_caches: bool = False) -> dict[int, Any]:
+        """Takes requests out, as :meth:`SpeculativeBatchGenerator.remove`."""
+        for uid in uids:
+            self._prompts.pop(uid, None)
+        return self.generator.remove(uids, return_prompt_caches)
+
+    @property
+    def prompt_cache_nbytes(self) -> int:
+        """int: the bytes of the caches it holds, running or waiting."""
+        return self.generator.prompt_cache_nbytes
+
+    def close(self) -> None:
+        """Drops every request."""
+        self.remove(self.generator.waiting + self.generator.running)
