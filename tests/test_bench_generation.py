@@ -271,3 +271,40 @@ def test_batched_runs_every_method_and_the_serial_one_generates_as_many_tokens(c
     assert serial["latencies"][1] > serial["latencies"][0]
     printed = markdown_table(capsys.readouterr().out, "workload")
     assert [r["method"] for r in printed] == list(rows)
+
+
+def server_row(server: str, clients: int, tokens: int, seconds: float, p: int = 0) -> dict:
+    return {
+        "workload": "open", "clients": clients, "server": server, "pass": p, "tokens": tokens,
+        "seconds": seconds, "latencies": [seconds / 2, seconds],
+    }  # fmt: skip
+
+
+def test_server_benchmark_summary_takes_medians_and_ratios_to_each_mlx_lm_server() -> None:
+    server = benchmark("server")
+    rows = [
+        server_row("mlx-lm, draft", 8, 100, 1.0, 0),
+        server_row("mlx-lm, draft", 8, 100, 2.0, 1),
+        server_row("mlx-lm, draft", 8, 100, 4.0, 2),  # median 50 tokens/s
+        server_row("mlx-lm", 8, 200, 1.0),
+        server_row("mlx-spec, draft", 8, 300, 1.0),
+    ]
+    lines = {x["server"]: x for x in server.summarize(rows)}
+    assert lines["mlx-lm, draft"]["tokens_per_second"] == 50.0
+    assert lines["mlx-spec, draft"]["x mlx-lm, draft"] == 6.0
+    assert lines["mlx-spec, draft"]["x mlx-lm"] == 1.5
+    assert lines["mlx-lm, draft"]["latency_max"] == 4.0
+    table = markdown_table(server.table(list(lines.values())), "workload")
+    assert [row["x mlx-lm"] for row in table] == ["0.25x", "1.00x", "1.50x"]
+
+
+@pytest.mark.slow
+def test_server_benchmark_drives_real_servers(tmp_path, capsys) -> None:
+    out = tmp_path / "server.json"
+    argv = ["--clients", "2", "--requests", "1", "--tokens", "4", "--passes", "1"]
+    argv += ["--prompts", "1", "--workload", "open", "--servers", "mlx-lm", "mlx-spec, draft"]
+    benchmark("server").main([*argv, "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(r["server"] for r in rows) == ["mlx-lm", "mlx-spec, draft"]
+    assert all(0 < r["tokens"] <= 2 * 4 and len(r["latencies"]) == 2 for r in rows)
+    assert "| open | 2 | mlx-spec, draft |" in capsys.readouterr().out
