@@ -321,17 +321,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     eos = list(tokenizer.eos_token_ids)
     methods = runners(target, draft, eos, args.temp, args.draft_tokens)
-    results: dict[str, Any] = {
-        "machine": bench.machine(),
-        "settings": settings,
-        "pair": "pair demo",
-        "rows": [],
-    }
-
-    def keep(row: dict[str, Any]) -> None:
-        results["rows"].append(row)
-        if args.json:
-            bench.write_json(results, args.json)
+    results, keep = bench.recorder(
+        args.json, machine=bench.machine(), settings=settings, pair="pair demo"
+    )
 
     m = results["machine"]
     print(

@@ -220,16 +220,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if min(args.clients) < 1:
         raise SystemExit("server.py: --clients must be at least 1")
     workloads = {w: WORKLOADS[w][: args.prompts] for w in args.workload}
-    results: dict[str, Any] = {
-        "machine": bench.machine(),
-        "settings": {k: v for k, v in vars(args).items() if k != "json"},
-        "rows": [],
-    }
-
-    def keep(row: dict[str, Any]) -> None:
-        results["rows"].append(row)
-        if args.json:
-            bench.write_json(results, args.json)
+    settings = {k: v for k, v in vars(args).items() if k != "json"}
+    results, keep = bench.recorder(
+        args.json, machine=bench.machine(), settings=settings, pair="pair demo"
+    )
 
     m = results["machine"]
     print(

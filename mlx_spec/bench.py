@@ -713,6 +713,29 @@ def machine() -> dict[str, Any]:
     }
 
 
+def recorder(
+    path: Path | None, **results: Any
+) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
+    """A benchmark's results and the function that keeps each of its rows.
+
+    Args:
+        path (Path, optional): where the results are rewritten after each row (``--json``).
+        **results: what the results hold besides their ``rows`` (the machine, the settings).
+
+    Returns:
+        tuple: the results (``results`` and ``"rows"``, a list), and ``keep(row)``, which
+        appends ``row`` to them and writes them to ``path`` where given.
+    """
+    recorded: dict[str, Any] = {**results, "rows": []}
+
+    def keep(row: dict[str, Any]) -> None:
+        recorded["rows"].append(row)
+        if path is not None:
+            write_json(recorded, path)
+
+    return recorded, keep
+
+
 def write_json(data: dict[str, Any], path: Path) -> None:
     """Writes ``data`` to ``path`` through a file beside it, so that ``path`` always holds a
     whole JSON document: the last one written."""
