@@ -11,7 +11,8 @@ pair, under the command that made it. Older results stay in git's history of the
 an optional ``note`` and its ``results``; each result has a ``title`` (its heading, unique on the
 page), a ``file``, the ``command`` that made it, an optional ``note`` and, for
 ``benchmarks/distributed.py``'s rows, ``"kind": "distributed"`` (``benchmarks/batched.py``'s:
-``"kind": "batched"``; ``benchmarks/fused_generation.py``'s: ``"kind": "fused"``). A note says what
+``"kind": "batched"``; ``benchmarks/fused_generation.py``'s: ``"kind": "fused"``;
+``benchmarks/server.py``'s: ``"kind": "server"``). A note says what
 its table shows and why; the page quotes no dates, commits or machine paths.
 
 Result files are named by machine, benchmark and pair (``gpu/generation-demo.json``), never by
@@ -42,6 +43,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import batched  # noqa: E402
 import fused_generation  # noqa: E402
+import server  # noqa: E402
 from distributed import speedups  # noqa: E402
 from generation import replay_table  # noqa: E402
 
@@ -172,8 +174,17 @@ def _fused(data: dict[str, Any]) -> str:
     )
 
 
+def _server(data: dict[str, Any]) -> str:
+    s = data["settings"]
+    return (
+        f"Greedy, {s['requests']} requests a client x {s['tokens']} tokens, "
+        f"`--num-draft-tokens {s['draft_tokens']}`, median of {s['passes']} passes:\n\n"
+        + server.table(server.summarize(data["rows"]))
+    )
+
+
 #: The table of each result ``kind`` (the generation table where it has none).
-KINDS = {"distributed": _distributed, "batched": _batched, "fused": _fused}
+KINDS = {"distributed": _distributed, "batched": _batched, "fused": _fused, "server": _server}
 
 
 def section(entry: dict[str, Any]) -> str:
