@@ -1088,13 +1088,16 @@ def _batching(batch_generator: type) -> Callable[..., Any]:
 def _batchable_request(is_batchable: Callable[[Any, Any], bool]) -> Callable[[Any, Any], bool]:
     """``ResponseGenerator._is_batchable`` that, for a model whose requests batch speculatively,
     also leaves to be served one at a time a request with logits processors (a logit bias or a
-    penalty) or more draft tokens than the server's ``--num-draft-tokens``."""
+    penalty) or more draft tokens than the server's ``--num-draft-tokens``, and every request of
+    a server split over processes (whose batches mlx-spec has not run)."""
 
     def batchable(self: Any, args: Any) -> bool:
         if not is_batchable(self, args):
             return False
         if not _speculating_on(getattr(self.model_provider, "model", None)):
             return True
+        if getattr(self, "_is_distributed", False):
+            return False
         server = sys.modules["mlx_lm.server"]
         processors = _unpatched(server, "_make_logits_processors")(args)
         n = args.num_draft_tokens

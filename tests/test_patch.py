@@ -685,6 +685,9 @@ def test_patched_server_batches_speculative_requests(draft) -> None:
         assert not batchable(provider, repetition_penalty=1.1)
         made = server._make_logits_processors(server_request(num_draft_tokens=2))
         assert made == [] and made.num_draft_tokens == 2
+        # A server split over processes keeps serving them one at a time.
+        split = SimpleNamespace(model_provider=provider, cli_args=args, _is_distributed=True)
+        assert not server.ResponseGenerator._is_batchable(split, server_request())
     finally:
         unpatch_mlx_lm()
     assert provider.is_batchable and isinstance(generator, ServerBatchGenerator)
