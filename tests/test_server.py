@@ -6,7 +6,7 @@ to 127.0.0.1; the reference is mlx-lm's own server (``python -m mlx_lm server``)
 models. Requests go through the OpenAI-style ``/v1/completions`` and ``/v1/chat/completions``
 endpoints, streamed (server-sent events) and not. The quick tests send a few, and requests
 that mlx-lm's handler would leave without an answer (an argument mlx-spec refuses, a prompt its
-prompt cache holds exactly); the load test (marker ``slow``) 8 concurrent clients x 20, twice,
+prompt cache holds exactly); the load test (marker ``slow``) 8 concurrent clients x 15, twice,
 which the patched server batches with its draft model (``mlx_spec.serving``). Some requests go
 through the ``openai`` package's client. Every wait is bounded: the server's start and stop,
 each socket operation, and the load as a whole."""
@@ -509,7 +509,7 @@ def test_a_warm_second_turn_drafts_from_the_first_and_gives_the_cold_text():
 
 # -- the load ----------------------------------------------------------------------------------
 
-CLIENTS, REQUESTS = 8, 20
+CLIENTS, REQUESTS = 8, 15
 LOAD_TIMEOUT = 240  # seconds for all the load's requests
 
 
@@ -558,7 +558,7 @@ def canonical(request: Request) -> Request:
 
 @pytest.mark.slow
 def test_patched_server_under_load(tmp_path):
-    """8 clients x 20 requests, twice: every one answered, greedy texts equal the unpatched
+    """8 clients x 15 requests, twice: every one answered, greedy texts equal the unpatched
     server's, seeded samples the unpatched server's without a draft model (mlx-lm's plain
     sampling with that seed), memory flat over the second time, and a clean exit."""
     planned = [plan(c, i) for c in range(CLIENTS) for i in range(REQUESTS)]
@@ -598,7 +598,7 @@ def test_patched_server_under_load(tmp_path):
         if request.cancel_after is None:
             assert reply.text == expected[canonical(request)].text, request
     # A leak of a round's log-probabilities (four float32 rows of the demo target's 4096, 64 KiB;
-    # a step of its KV cache is 768 KiB) would add over 20 MiB over the load's 160 requests, of
+    # a step of its KV cache is 768 KiB) would add over 15 MiB over the load's 120 requests, of
     # two rounds or more each. The prompt cache is full after the warm-up, and the batches of
     # the load take the shapes they took then, so what is left is the allocator's noise (1 to 7
     # MiB in runs on a 2-core machine).
