@@ -58,12 +58,17 @@ class Server:
     """A server subprocess on 127.0.0.1 with its output in files; killed on exit if still up."""
 
     def __init__(
-        self, command: list[str], logs: Path, draft: bool = True, model: str = TARGET
+        self,
+        command: list[str],
+        logs: Path,
+        draft: bool = True,
+        model: str = TARGET,
+        log_level: str = "WARNING",
     ) -> None:
         self.port = free_port()
         self.logs = logs
         args = ["--model", model, *(["--draft-model", DRAFT] if draft else [])]
-        args += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "WARNING"]
+        args += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", log_level]
         with open(logs / "stdout", "w") as out, open(logs / "stderr", "w") as err:
             self.process = subprocess.Popen([*command, *args], stdout=out, stderr=err, env=ENV)
 
@@ -116,8 +121,8 @@ class Server:
         return code, self.stderr()
 
 
-def patched_server(logs: Path) -> Server:
-    return Server([sys.executable, str(SERVE)], logs)
+def patched_server(logs: Path, log_level: str = "WARNING") -> Server:
+    return Server([sys.executable, str(SERVE)], logs, log_level=log_level)
 
 
 def unpatched_server(logs: Path, draft: bool = True) -> Server:
@@ -577,7 +582,8 @@ def test_patched_server_under_load(tmp_path):
 
     (tmp_path / "patched").mkdir()
     started = time.monotonic()
-    with patched_server(tmp_path / "patched") as server:
+    # At INFO the patched server logs each batch generator it makes for speculative requests.
+    with patched_server(tmp_path / "patched", log_level="INFO") as server:
         rss_start = server.rss_kib()
         # Warm-up: the load itself, which fills the prompt cache (10 entries by default) and
         # meets the shapes the load's batches take (their sizes and draft lengths).
@@ -593,6 +599,7 @@ def test_patched_server_under_load(tmp_path):
     )
 
     assert len(load) == CLIENTS * REQUESTS
+    assert "mlx-spec: batching speculative requests" in stderr  # not one at a time
     for request, reply in warm_up + load:
         assert_answered(request, reply)
         if request.cancel_after is None:
