@@ -622,8 +622,9 @@ class SpeculativeBatch:
             missing = len(s.text) - caches[0].offset
             if missing > 0:
                 model(mx.array([s.text.ids(len(s.text) - missing)]), cache=caches)
-            for layer in caches if missing < 0 else ():
-                layer.trim(-missing)
+            elif missing < 0:
+                for layer in caches:
+                    layer.trim(-missing)
             final += caches
         return final
 
@@ -924,13 +925,12 @@ def batch_generate(
             f"{stats.generation_steps} rounds, {stats.generation_tps:.3f} tokens-per-sec"
         )
     tokens = [[r.token for r in rs if r.finish_reason != "stop"] for rs in results]
+    layers = len(make_prompt_cache(model))
     return BatchResponse(
         texts=[tokenizer.decode(t) for t in tokens],
         stats=stats,
         # The target's layers alone, as mlx-lm's (a draft model's follow them).
-        caches=[rs[-1].prompt_cache[: len(make_prompt_cache(model))] for rs in results]
-        if return_prompt_caches
-        else None,
+        caches=[rs[-1].prompt_cache[:layers] for rs in results] if return_prompt_caches else None,
         token_ids=tokens if return_token_ids else None,
         logprobs=[
             [r.logprobs[r.token].item() for r in rs if r.finish_reason != "stop"] for rs in results
