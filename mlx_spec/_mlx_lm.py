@@ -1060,7 +1060,8 @@ def _choosing(load: Callable[..., None]) -> Callable[..., None]:
         make = _choices["batches"](self.model, getattr(self, "draft_model", None))
         if make is not None and _batching_patched():
             most = getattr(getattr(self, "cli_args", None), "num_draft_tokens", None)
-            _speculating.update(model=weakref.ref(self.model), make=make, most=most or 3)
+            most = 3 if most is None else most  # mlx-lm's default, where it has no such option
+            _speculating.update(model=weakref.ref(self.model), make=make, most=most)
             self.is_batchable = True
 
     return load_and_choose

@@ -688,6 +688,14 @@ def test_patched_server_batches_speculative_requests(draft) -> None:
         # A server split over processes keeps serving them one at a time.
         split = SimpleNamespace(model_provider=provider, cli_args=args, _is_distributed=True)
         assert not server.ResponseGenerator._is_batchable(split, server_request())
+        # --num-draft-tokens 0: the batches draft nothing, and a request asking for drafts is
+        # served one at a time.
+        args.num_draft_tokens = 0
+        none_provider, none_generator = serving()
+        assert none_generator.generator.num_draft_tokens == 0
+        assert not batchable(none_provider, num_draft_tokens=1)
+        assert batchable(none_provider, num_draft_tokens=0)
+        args.num_draft_tokens = 4
     finally:
         unpatch_mlx_lm()
     assert provider.is_batchable and isinstance(generator, ServerBatchGenerator)
