@@ -10,17 +10,24 @@ costs: this times both, interleaved, on the same prompt, at each temperature of 
 - ``lookup``: the same with prompt lookup (``drafter="prompt-lookup"``), which also checks a
   guess each step and drafts where guesses pay.
 
+With ``--batch B`` above 1, a batch of ``B`` copies of the prompt (each sampled with its own key)
+is decoded instead:
+
+- ``plain``: mlx-lm's ``BatchGenerator``;
+- ``stretch`` and ``lookup``: :class:`mlx_spec.batch.SpeculativeBatch` with the same drafters and
+  :class:`mlx_spec.BatchAdaptive` lengths, as the patched server runs it.
+
 Pairs: those of ``benchmarks/generation.py`` (their first open prompt), and ``host``: a model with
 next to no device work (an embedding and its transpose), whose time per token is the loops' own
 host work and synchronisation.
 
-Prints the median milliseconds a token of each method and ``plain / method`` (above 1: faster
-than mlx-lm's plain decoding). On MLX's CUDA backend, cuDNN attention is left off
-(``MLX_CUDA_USE_CUDNN_SDPA=0``, as ``mlx-spec`` sets it) unless the environment sets it, so no
-method pays for building attention graphs of new shapes.
+Prints the median milliseconds a token (of the whole batch) of each method and
+``plain / method`` (above 1: faster than mlx-lm's plain decoding). On MLX's CUDA backend, cuDNN
+attention is left off (``MLX_CUDA_USE_CUDNN_SDPA=0``, as ``mlx-spec`` sets it) unless the
+environment sets it, so no method pays for building attention graphs of new shapes.
 
 Usage: ``python benchmarks/plain_steps.py [--pair host demo 16x2048 ...] [--temps 0 0.8]
-[--tokens 256] [--repeats 7]``.
+[--tokens 256] [--repeats 7] [--batch 1]``.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "0")
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import KVCache
 from mlx_lm.sample_utils import make_sampler as lm_make_sampler
 
@@ -45,7 +52,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from generation import build_pair
 
-from mlx_spec.drafters import Draft, Drafter
+from mlx_spec import _mlx_lm
+from mlx_spec.batch import SpeculativeBatch
+from mlx_spec.batch_length import BatchAdaptive
+from mlx_spec.drafters import Draft, Drafter, PromptLookupDrafter
 from mlx_spec.generation import speculative_generate_step
 from mlx_spec.loop import Text
 from mlx_spec.sampling import make_sampler
@@ -117,15 +127,56 @@ def _methods(
     return {"plain": plain, "stretch": adaptive(Silent()), "lookup": adaptive("prompt-lookup")}
 
 
+def _batch_methods(
+    target: nn.Module, prompt: mx.array, tokens: int, temp: float, size: int
+) -> dict[str, Callable[[], None]]:
+    prompts = [prompt.tolist()] * size
+
+    def plain() -> None:
+        mx.random.seed(0)
+        sampler = lm_make_sampler(temp=temp)
+        generator = BatchGenerator(target, stop_tokens=[], sampler=sampler)
+        generator.insert(prompts, [tokens] * size)
+        while generator.next_generated():
+            pass
+        generator.close()
+
+    def adaptive(drafter: Drafter) -> Callable[[], None]:
+        policy = BatchAdaptive()  # kept over the runs, as a server keeps its costs
+
+        def run() -> None:
+            samplers = [make_sampler(temp=temp) if temp else None] * size
+            keys = [mx.random.key(i) if temp else None for i in range(size)]
+            with mx.stream(_mlx_lm.lm.generation_stream):
+                batch = SpeculativeBatch(
+                    target, prompts, [8] * size, [tokens] * size, [], samplers, keys,
+                    drafter=drafter, policy=policy,
+                )  # fmt: skip
+                while len(batch):
+                    batch.next()
+
+        return run
+
+    return {
+        "plain": plain,
+        "stretch": adaptive(Silent()),
+        "lookup": adaptive(PromptLookupDrafter()),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pair", nargs="+", default=["host", "demo"])
     parser.add_argument("--temps", type=float, nargs="+", default=[0.0])
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     args = parser.parse_args(argv)
+    if args.batch < 1:
+        parser.error(f"--batch must be >= 1, got {args.batch}")
     print(
-        f"# plain steps: {mx.default_device()}, MLX {mx.__version__}, {args.tokens} tokens, "
+        f"# plain steps: {mx.default_device()}, MLX {mx.__version__}, batch {args.batch}, "
+        f"{args.tokens} tokens a sequence, "
         f"median of {args.repeats} interleaved runs; ms a token "
         "(plain / method: above 1 is faster than mlx-lm's plain decoding)"
     )
@@ -134,7 +185,11 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.pair:
         target, prompt = _target_and_prompt(name)
         for temp in args.temps:
-            methods = _methods(target, prompt, args.tokens, temp)
+            methods = (
+                _methods(target, prompt, args.tokens, temp)
+                if args.batch == 1
+                else _batch_methods(target, prompt, args.tokens, temp, args.batch)
+            )
             for run in methods.values():  # warm-up: compilation and first-use graphs
                 run()
             times: dict[str, list[float]] = {method: [] for method in methods}
@@ -142,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
                 for method, run in methods.items():
                     start = time.perf_counter()
                     run()
-                    times[method].append(1e3 * (time.perf_counter() - start) / args.tokens)
+                    seconds = time.perf_counter() - start
+                    times[method].append(1e3 * seconds / (args.tokens * args.batch))
             ms = {method: statistics.median(values) for method, values in times.items()}
             print(
                 f"| {name} | {temp} | {ms['plain']:.3f} | {ms['stretch']:.3f} | "

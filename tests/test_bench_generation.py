@@ -182,6 +182,21 @@ def test_plain_steps_table():
             assert abs(float(row[f"plain / {method}"].rstrip("x")) - plain / ms) <= slack
 
 
+def test_plain_steps_of_a_batch(capsys):
+    benchmark("plain_steps").main(
+        ["--pair", "host", "--temps", "0.8", "--tokens", "6", "--repeats", "1", "--batch", "3"]
+    )
+    out = capsys.readouterr().out
+    assert "batch 3, 6 tokens a sequence" in out
+    (row,) = markdown_table(out, "pair")
+    assert (row["pair"], row["temp"]) == ("host", "0.8")
+    for method in ("stretch", "lookup"):
+        ms = float(row[method])
+        assert ms > 0 and float(row[f"plain / {method}"].rstrip("x")) > 0
+    with pytest.raises(SystemExit):
+        benchmark("plain_steps").main(["--batch", "0"])
+
+
 @pytest.mark.slow
 def test_adaptive_lookup_keeps_up_with_fixed_lengths_under_modelled_gpu_costs() -> None:
     # The demo target copying its prompt (GROUNDED[1]) and writing freely (PROMPTS[0]), greedy,
