@@ -508,16 +508,23 @@ class SpeculativeBatch:
         the lazy ``[B]`` uint32 tokens (:data:`mlx_spec.INVALID_ROW` where a row cannot decide),
         the ``[B]`` ids to feed next and the ``[B, V]`` log-probabilities."""
         saved = mx.random.state[0] if self._seeds else None
-        logits = self.model(fed[:, None], cache=self.cache)
+        logits = self.model(fed[:, None], cache=self.cache)[:, 0]
         rules = [s.rule for s in self.sequences]
         states = [s.states(0, draft=False, ahead=ahead) for s in self.sequences]
-        chosen, invalid = choices(logits, rules, states)
-        tokens = mx.where(invalid[:, 0], INVALID_ROW, chosen[:, 0]).astype(mx.uint32)
-        logprobs = logits[:, 0] - mx.logsumexp(logits[:, 0], axis=-1, keepdims=True)
+        if len(set(rules)) == 1:
+            # One rule's graph for the whole batch, as a single sequence's plain step draws.
+            keys = mx.concatenate(states) if rules[0].random else None
+            on_cpu = device_type(None) == mx.cpu
+            tokens, fed, logprobs = rules[0].step(logits, keys, on_cpu=on_cpu)
+        else:
+            chosen, invalid = choices(logits[:, None], rules, states)
+            tokens = mx.where(invalid[:, 0], INVALID_ROW, chosen[:, 0]).astype(mx.uint32)
+            fed = mx.minimum(tokens, logits.shape[-1] - 1)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         mx.async_eval(tokens)
         if saved is not None:
             set_global_state(saved)
-        return tokens, mx.minimum(tokens, logits.shape[-1] - 1), logprobs
+        return tokens, fed, logprobs
 
     def _step(self) -> list[Response]:
         """Reads the plain step started, having started the next one unless drafting resumes."""

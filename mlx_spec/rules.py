@@ -246,17 +246,19 @@ class Rule:
     def step(
         self, logits: mx.array, key: mx.array | None, *, on_cpu: bool
     ) -> tuple[mx.array, mx.array, mx.array]:
-        """The token of a plain step (a round without a draft), as :meth:`decide` draws it.
+        """The token of a plain step (a round without a draft), as :meth:`decide` draws it, for
+        one sequence or for each row of a batch under this rule.
 
         Args:
-            logits (array): ``[1, V]`` float target logits (after logits processors).
-            key (array, optional): ``[1, 2]`` uint32, the position's state (unused by greedy).
+            logits (array): ``[k, V]`` float target logits (after logits processors).
+            key (array, optional): ``[k, 2]`` uint32, each row's position's state (unused by
+                greedy).
             on_cpu (bool): whether the default stream is on a CPU.
 
         Returns:
-            tuple: the lazy ``[1]`` uint32 token (:data:`mlx_spec.INVALID_ROW` where the row
-            cannot decide), a ``[1]`` uint32 id to feed the model next (the token, or a valid
-            id in place of a flagged one) and the ``[1, V]`` log-probabilities.
+            tuple: the lazy ``[k]`` uint32 tokens (:data:`mlx_spec.INVALID_ROW` where a row
+            cannot decide), ``[k]`` uint32 ids to feed the model next (the token, or a valid
+            id in place of a flagged one) and the ``[k, V]`` log-probabilities.
         """
         if self.kind == "greedy":
             token, fed = greedy_token(logits, on_cpu=on_cpu)
@@ -287,25 +289,30 @@ def _coupled_graph(sampler: Any) -> Callable[..., mx.array]:
     draws a ``[1, V]`` row with the key its state hands out (compiled per thread)."""
 
     def coupled(logprobs: mx.array, states: mx.array) -> mx.array:
-        rows = _scores(sampler, logprobs)
-        tokens = [
-            mx.random.categorical(rows[i : i + 1], key=_draw_key(states[i]))
-            for i in range(rows.shape[0])
-        ]
-        return mx.concatenate(tokens).astype(mx.uint32)
+        return _draw_rows(_scores(sampler, logprobs), states)
 
     return _compile_per_thread(coupled)
 
 
+def _draw_rows(scores: mx.array, states: mx.array) -> mx.array:
+    """``[n]`` uint32: each row of ``scores`` (``[n, V]``) drawn as ``mx.random.categorical``
+    draws a ``[1, V]`` row with the key that row's state (``states``: ``[n, 2]``) hands out."""
+    tokens = [
+        mx.random.categorical(scores[i : i + 1], key=_draw_key(states[i]))
+        for i in range(scores.shape[0])
+    ]
+    return mx.concatenate(tokens).astype(mx.uint32)
+
+
 @lru_cache(maxsize=32)
 def _coupled_step_graph(sampler: Any) -> Callable[..., tuple[mx.array, mx.array, mx.array]]:
-    """``(logits [1, V], states [1, 2]) -> (token, fed, logprobs)``: a plain step's draw (see
+    """``(logits [k, V], states [k, 2]) -> (tokens, fed, logprobs)``: a plain step's draws (see
     :meth:`Rule.step`), compiled per thread."""
 
     def step(logits: mx.array, states: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         logprobs = _logprobs(logits)
-        drawn = mx.random.categorical(_scores(sampler, logprobs), key=_draw_key(states[0]))
-        token = mx.where(_undecided(logprobs), INVALID_ROW, drawn.astype(mx.uint32))
+        drawn = _draw_rows(_scores(sampler, logprobs), states)
+        token = mx.where(_undecided(logprobs), INVALID_ROW, drawn)
         return token, mx.minimum(token, logits.shape[-1] - 1), logprobs
 
     return _compile_per_thread(step)
