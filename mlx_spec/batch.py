@@ -536,8 +536,10 @@ class SpeculativeBatch:
         now = time.perf_counter()
         seconds, self._clock = now - self._clock, now
         responses = []
+        guessed = 0
         for i, (s, token) in enumerate(zip(self.sequences, read, strict=True)):
             check_next("mlx_spec.batch_generate", token, (i,))
+            guessed += bool(s.draft)
             if s.estimate is not None:
                 # The guess of the plan before this step, tested without verifying it.
                 right = int(bool(s.draft) and s.draft[0] == token)
@@ -547,7 +549,7 @@ class SpeculativeBatch:
                 s.drafter.update(s.text, 0)
             s.lag += 1
         if self.policy is not None:
-            outcome = Outcome(0, 0, seconds=seconds, plain=True, first=self._first)
+            outcome = Outcome(guessed, 0, seconds=seconds, plain=True, first=self._first)
             self.policy.observe(len(self.sequences), outcome)
         self._first = False
         self._leave(responses)

@@ -22,6 +22,7 @@ from .draft_length import (
     _expected,
     _fastest,
     _Meter,
+    _patience,
 )
 
 __all__ = ["BatchAdaptive"]
@@ -37,6 +38,8 @@ class BatchAdaptive:
     a plain step of ``B`` rows yields ``B`` tokens for its ``plain`` seconds. A batch size's
     calibration is measured in its first rounds and plain steps as :class:`Adaptive` measures
     one, then kept, so that drafting stops where the batch has grown too large for it to pay.
+    Where plain steps have tested no row's draft for a while, a test round of the most tokens
+    runs, as :class:`Adaptive` runs one (:data:`mlx_spec.draft_length.EXPLORE`).
 
     Args:
         most (int): the most draft tokens a round, in ``[1, MAX_DRAFT_TOKENS]``. Default: ``8``.
@@ -68,6 +71,8 @@ class BatchAdaptive:
         self.decay = decay
         self.calibrations = given
         self._meters: dict[int, _Meter] = {}
+        # Plain steps since a row's draft token was last tested.
+        self._untested = 0
 
     def sequence(self) -> Adaptive:
         """A new row's acceptance estimate, to tell that row's outcomes (without seconds)."""
@@ -82,16 +87,20 @@ class BatchAdaptive:
         calibration = self.calibrations.get(len(rows))
         if calibration is None:
             return self._meters.setdefault(len(rows), _Meter()).length(top)
-        lengths = np.arange(top + 1)
-        tokens = sum(
-            _expected(estimate.acceptance(r.label), top)[np.minimum(lengths, r.cap)]
-            for estimate, r in rows
-        )
-        return _fastest(tokens, calibration)
+        rates = np.array([estimate.acceptance(r.label) for estimate, r in rows])
+        caps = np.array([r.cap for _, r in rows])
+        # [B, top + 1]: each row's E(min(N, cap)) for N = 0 .. top, summed over the rows.
+        expected = _expected(rates[:, None], top)
+        tokens = np.take_along_axis(expected, np.minimum(np.arange(top + 1), caps[:, None]), 1)
+        n = _fastest(tokens.sum(axis=0), calibration)
+        if n == 0 and self._untested >= _patience(calibration, top):
+            return top
+        return n
 
     def observe(self, rows: int, outcome: Outcome) -> None:
-        """Learns the timed ``outcome`` of a round (``drafted``: its ``N``) or plain step of
-        ``rows`` rows."""
+        """Learns the timed ``outcome`` of a round (``drafted``: its ``N``) or plain step
+        (``drafted``: the rows whose guess it tested) of ``rows`` rows."""
+        self._untested = 0 if outcome.drafted else self._untested + outcome.plain
         if rows in self.calibrations or outcome.seconds is None:
             return
         calibration = self._meters.setdefault(rows, _Meter()).record(outcome)

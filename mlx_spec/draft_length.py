@@ -6,7 +6,11 @@ plain step of the target. :class:`Fixed` always drafts ``n``. :class:`Adaptive` 
 that maximises ``E(N) / cost(N)``: a round drafting ``N`` yields ``E(N) = 1 + a + ... + a^N``
 tokens on average (``a``, the chance a draft token is kept once the one before it was, counted
 per kind of proposal), and costs ``round + token * N`` seconds (a :class:`Calibration`), a plain
-step ``plain`` seconds for one token.
+step ``plain`` seconds for one token. Where that rule takes plain steps and nothing has been
+tested for a while (a draft model has no guess to test during plain steps), a test round of the
+most tokens runs once the plain steps since the last test have cost :data:`EXPLORE` times what
+the round costs over a plain step, so that a drafter whose acceptance has changed gets drafting
+back, at most about ``1 / EXPLORE`` of plain decoding's time lost where it never pays.
 
 Sampling is keyed by text position (:mod:`mlx_spec.keys`), so no choice of ``N`` changes the text,
 only how fast it comes. Given a :class:`Calibration`, :class:`Adaptive` is deterministic; without
@@ -15,6 +19,7 @@ one it measures its own once, in its first rounds and plain steps, and keeps it.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -22,6 +27,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 __all__ = [
+    "EXPLORE",
     "MAX_DRAFT_TOKENS",
     "Adaptive",
     "Calibration",
@@ -130,16 +136,21 @@ class Calibration:
         return self.round + self.token * (n + pending - 1)
 
 
+#: How many times what a test round costs over a plain step the plain steps since the last tested
+#: draft must have cost before :class:`Adaptive` tests one: the time lost where drafts are never
+#: kept is then at most about ``1 / EXPLORE`` of plain decoding's.
+EXPLORE = 32
+
 # Rounds measured at each of two lengths, and steady plain steps, before a calibration is fixed.
 _ROUNDS, _STEPS = 3, 8
 # The acceptance estimate's prior: 2 draft tokens kept of 3 tested.
 _PRIOR = (2.0, 3.0)
 
 
-def _expected(a: float, top: int) -> np.ndarray:
-    """``[top + 1]``: the tokens a round drafting ``0 .. top`` yields on average at acceptance
-    ``a`` (``E(N) = 1 + a + ... + a^N``)."""
-    return np.cumsum(min(a, 0.999) ** np.arange(top + 1))
+def _expected(a: float | np.ndarray, top: int) -> np.ndarray:
+    """``[..., top + 1]``: the tokens a round drafting ``0 .. top`` yields on average at
+    acceptance ``a`` (a float, or ``[B, 1]`` rates: ``E(N) = 1 + a + ... + a^N``)."""
+    return np.cumsum(np.minimum(a, 0.999) ** np.arange(top + 1), axis=-1)
 
 
 def _fastest(tokens: np.ndarray, calibration: Calibration, pending: int = 1) -> int:
@@ -147,6 +158,13 @@ def _fastest(tokens: np.ndarray, calibration: Calibration, pending: int = 1) -> 
     costs = np.asarray(calibration.cost(np.arange(len(tokens)), pending), dtype=np.float64)
     costs[0] = calibration.plain
     return int(np.argmax(tokens / np.maximum(costs, 1e-12)))
+
+
+def _patience(calibration: Calibration, top: int, pending: int = 1) -> int:
+    """The plain steps without a tested draft after which a round of ``top`` tokens is tested
+    (:data:`EXPLORE`)."""
+    extra = float(calibration.cost(top, pending)) - calibration.plain
+    return max(1, math.ceil(EXPLORE * extra / max(calibration.plain, 1e-12)))
 
 
 class _Meter:
@@ -217,6 +235,8 @@ class Adaptive:
         # [kept, tested] draft tokens per label, from _PRIOR.
         self._counts: dict[int, list[float]] = {}
         self._meter = _Meter()
+        # Plain steps since a draft token was last tested.
+        self._untested = 0
 
     def acceptance(self, label: int = 0) -> float:
         """The estimated chance that a draft token of a proposal labelled ``label`` is kept."""
@@ -229,11 +249,13 @@ class Adaptive:
             return 0
         if self.calibration is None:
             return self._meter.length(top)
-        return _fastest(
-            _expected(self.acceptance(round.label), top), self.calibration, round.pending
-        )
+        n = _fastest(_expected(self.acceptance(round.label), top), self.calibration, round.pending)
+        if n == 0 and self._untested >= _patience(self.calibration, top, round.pending):
+            return top
+        return n
 
     def observe(self, outcome: Outcome) -> None:
+        self._untested = 0 if outcome.drafted else self._untested + outcome.plain
         if outcome.drafted:
             counts = self._counts.setdefault(outcome.label, list(_PRIOR))
             tested = outcome.accepted + (outcome.accepted < outcome.drafted)

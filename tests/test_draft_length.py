@@ -3,6 +3,8 @@ calibration of what rounds and plain steps cost (given, or measured once)."""
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ from helpers import PROMPT, run
 
 from mlx_spec.batch_length import BatchAdaptive
 from mlx_spec.draft_length import (
+    EXPLORE,
     MAX_DRAFT_TOKENS,
     Adaptive,
     Calibration,
@@ -81,12 +84,46 @@ def test_plain_steps_that_test_nothing_bring_drafting_back_where_the_prior_pays(
         steps += 1
         assert steps < 200, policy.acceptance()
     assert steps > 10  # not at once: the poor stretch still counts for a while
-    # Where even the prior does not pay, the fading changes nothing.
-    policy = Adaptive(8, Calibration(plain=1.0, round=6.0, token=0.5))
+
+
+# A round dear against a plain step (a small target on a GPU): drafting at the prior (2 kept of 3)
+# does not pay, drafting at 90% does.
+DEAR = Calibration(plain=1.0, round=2.5, token=0.2)
+
+
+def test_where_the_prior_does_not_pay_a_test_round_comes_after_its_cost_in_plain_steps() -> None:
+    policy = Adaptive(8, DEAR)
     kept_with(policy, 0.05)
-    for _ in range(500):
-        policy.observe(Outcome(0, 0, plain=True, seconds=1.0))
-    assert policy.acceptance() == pytest.approx(2 / 3, abs=0.01)
+    # A round of 8 costs 4.1 plain steps, 3.1 more than one: tested after 32 x 3.1 of them.
+    patience = math.ceil(EXPLORE * (2.5 + 0.2 * 8 - 1.0) / 1.0)
+    for _ in range(2):
+        steps = 0
+        while (n := policy.choose(Round(8))) == 0:
+            policy.observe(Outcome(0, 0, plain=True))
+            steps += 1
+            assert steps <= patience, steps
+        assert (steps, n) == (patience, 8)
+        assert policy.choose(Round(3)) == 3  # never more than the round may take
+        # The test keeps nothing: plain steps again, until the next test.
+        policy.observe(Outcome(8, 0))
+        assert policy.choose(Round(8)) == 0
+    # A test whose drafts are all kept brings drafting back.
+    for _ in range(patience):
+        policy.observe(Outcome(0, 0, plain=True))
+    assert policy.choose(Round(8)) == 8
+    policy.observe(Outcome(8, 8))
+    assert policy.acceptance() > 0.9 and policy.choose(Round(8)) > 0
+
+
+def test_guesses_tested_during_plain_steps_leave_no_test_round_due() -> None:
+    # Prompt lookup tests a guess each plain step: its estimate stays measured, and wrong
+    # guesses keep it taking plain steps.
+    policy = Adaptive(8, DEAR)
+    for _ in range(1000):
+        assert policy.choose(Round(8)) == 0
+        policy.observe(Outcome(1, 0, plain=True))
+    # A step without a guess starts the count.
+    policy.observe(Outcome(0, 0, plain=True))
     assert policy.choose(Round(8)) == 0
 
 
@@ -320,3 +357,22 @@ def test_a_batch_measures_each_size_once_then_keeps_it() -> None:
     assert 3 not in policy.calibrations and policy.choose(batch_rows(policy, [0.9] * 3, [4] * 3))
     policy.observe(2, Outcome(4, 0, seconds=100.0))
     assert policy.calibrations[2] == Calibration(plain=0.8, round=1.0, token=0.5)
+
+
+def test_a_batch_whose_rows_test_nothing_runs_a_test_round_after_its_cost_in_plain_steps() -> None:
+    policy = BatchAdaptive(8, {2: DEAR})
+    rows = batch_rows(policy, [0.05, 0.05], [8, 5])
+    assert policy.choose(rows) == 0
+    patience = math.ceil(EXPLORE * (2.5 + 0.2 * 8 - 1.0) / 1.0)
+    for _ in range(patience - 1):
+        policy.observe(2, Outcome(0, 0, plain=True))
+    assert policy.choose(rows) == 0
+    # A row's guess tested (drafted: the rows that guessed) starts the count again.
+    policy.observe(2, Outcome(1, 0, plain=True))
+    for _ in range(patience - 1):
+        policy.observe(2, Outcome(0, 0, plain=True))
+        assert policy.choose(rows) == 0
+    policy.observe(2, Outcome(0, 0, plain=True))
+    assert policy.choose(rows) == 8
+    policy.observe(2, Outcome(8, 0))
+    assert policy.choose(rows) == 0
