@@ -158,7 +158,9 @@ class Drafter(ABC):
     def see(self, hidden: mx.array, start: int, text: Text) -> None:  # noqa: B027 (optional hook)
         """Learns the target's hidden states at text positions ``start, start + 1, ...``, for a
         drafter with :attr:`reads_hidden`: after the prefill, after each round (the positions
-        kept) and after each plain step. Optional: the default does nothing.
+        kept) and after plain steps: each step's for a :attr:`free` drafter, which guesses
+        during them; a stretch's all at once at its end for any other. Optional: the default
+        does nothing.
 
         Args:
             hidden (array): ``[k, H]``: row ``i`` is the input of the target's LM head at text

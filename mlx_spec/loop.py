@@ -541,11 +541,28 @@ class Generation:
         self.stats.replayed += pending - 1
         # The text up to each step, for the processors only (else no graph grows with the steps).
         context = self.text.array() if self.target.processes else None
-        last = count
-        made = 0
         missing = self.text.tokens(len(self.text) - pending)
         step = self._plain_step(missing, context, self.text.position)
         clock = time.perf_counter()
+        # A drafter that guesses nothing during the stretch sees its hidden states at its end,
+        # in one call, as a draft model catches up on the tokens it missed.
+        unseen: list[mx.array] = []
+        yield from self._steps(step, count, context, clock, unseen)
+        if unseen:
+            self.drafter.see(mx.concatenate(unseen), len(self.text) - 1 - len(unseen), self.text)
+
+    def _steps(
+        self,
+        step: tuple[mx.array, mx.array, mx.array, mx.array | None] | None,
+        count: int,
+        context: mx.array | None,
+        clock: float,
+        unseen: list[mx.array],
+    ) -> Iterator[tuple[int, mx.array]]:
+        """The steps of :meth:`_stretch` from the one started, ``step``; the hidden states a
+        drafter that is not free has yet to see are appended to ``unseen``."""
+        last = count
+        made = 0
         while step is not None:
             lazy, fed, logprobs, hidden = step
             made += 1
@@ -565,8 +582,10 @@ class Generation:
             self.text.extend([token])
             # The drafter follows the text (prompt lookup's index), so the next guess is current.
             self.drafter.update(self.text, 0)
-            if hidden is not None:
+            if hidden is not None and self.drafter.free:
                 self.drafter.see(hidden, len(self.text) - 2, self.text)
+            elif hidden is not None:
+                unseen.append(hidden)
             self.stats.count(0, 0)
             right = guess is not None and guess.size > 0 and guess.tokens.tolist()[0] == token
             tested = guess.size if guess is not None else 0

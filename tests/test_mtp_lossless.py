@@ -83,6 +83,7 @@ layout and its control run in the quick suite; the others are ``statistical`` (`
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from functools import cache
@@ -103,6 +104,7 @@ from tiny_models import randomize_norms, save_hf_folder, tiny_llama, tiny_mtp_pa
 import mlx_spec
 from mlx_spec import _mlx_lm, rules
 from mlx_spec.acceptance import accept_sampled, matching_decision
+from mlx_spec.draft_length import Outcome, Round
 from mlx_spec.mtp import MTPDrafter, MTPHead, head_of, new_head
 from mlx_spec.mtp_convert import load
 from mlx_spec.sampling import make_sampler
@@ -241,10 +243,14 @@ def rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 def drafted_from(
-    model: nn.Module, drafter: Recorder, prompt: list[int], num_draft_tokens: int = 2
+    model: nn.Module,
+    drafter: Recorder,
+    prompt: list[int],
+    num_draft_tokens: int = 2,
+    policy: mlx_spec.DraftPolicy | None = None,
 ) -> tuple[list[int], mlx_spec.SpeculativeStats]:
-    """The text of a greedy generation of :data:`KNOWN_TOKENS` tokens with ``drafter``, and its
-    counts; ``drafter`` records each round's logits."""
+    """The text of a greedy generation of :data:`KNOWN_TOKENS` tokens with ``drafter`` (and
+    ``policy``, where given), and its counts; ``drafter`` records each round's logits."""
     stats = mlx_spec.SpeculativeStats()
     tokens = [
         t
@@ -255,6 +261,7 @@ def drafted_from(
             num_draft_tokens=num_draft_tokens,
             max_tokens=KNOWN_TOKENS,
             stats=stats,
+            policy=policy,
         )
     ]
     return prompt + tokens, stats
@@ -662,15 +669,34 @@ def test_the_power_calculation_reads_the_drafters_own_rows(layout, case):
 # A head of several layers keeps its cache as the target verified the text.
 
 
-def test_a_head_of_several_layers_drafts_from_every_verified_position():
+class Scripted:
+    """A draft-length policy that takes its lengths from ``lengths`` in turn, one a choice (the
+    loop asks again after every plain step)."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths = itertools.cycle(lengths)
+
+    def choose(self, round: Round) -> int:
+        return min(next(self.lengths), round.cap)
+
+    def observe(self, outcome: Outcome) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "lengths", [[3], [0, 0, 0, 0, 3, 3]], ids=["rounds", "rounds and plain steps"]
+)
+def test_a_head_of_several_layers_drafts_from_every_verified_position(lengths):
     # Each draft step feeds one layer's cache (step i, layer i mod 2); the entries a draft adds
     # are taken back after the round, each layer its own. So at every proposal the drafter's
     # logits are those of the head run afresh: layer 0 over the target's states at every
-    # position verified so far, layer 1 over the round's chain alone.
+    # position verified so far, layer 1 over the round's chain alone. Positions emitted by plain
+    # steps are seen at the end of their stretch, all at once.
     model, head = target(), mtp_head("deepseek", 2)
     drafter = Recorder(head)
-    text, stats = drafted_from(model, drafter, PROMPT, num_draft_tokens=3)
+    text, stats = drafted_from(model, drafter, PROMPT, 3, Scripted(lengths))
     assert 0 < stats.accepted < stats.drafted, (stats.accepted, stats.drafted)
+    assert len(drafter.proposals) >= 4
     states = model.model(mx.array(text)[None])
     embed = model.model.embed_tokens
     worst = 0.0
