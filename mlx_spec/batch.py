@@ -219,7 +219,9 @@ def _prefill(
     caches = [c if c is not None else make_prompt_cache(model) for c in started]
     held = [c[0].offset if c else 0 for c in caches]
     batch = PromptProcessingBatch(model, list(range(len(prompts))), caches, prefill_step_size=step)
-    batch.prompt([p[h:-1] for p, h in zip(prompts, held, strict=True)])
+    rows = [p[h:-1] for p, h in zip(prompts, held, strict=True)]
+    if any(rows):
+        batch.prompt(rows)
     return batch.prompt_cache
 
 
@@ -963,15 +965,159 @@ def _run(batch: SpeculativeBatch, stats: BatchStats) -> list[list[Response]]:
     return results
 
 
+PromptResponse = PromptProcessingBatch.Response
+
+
+@dataclass
+class _Joining:
+    """A sequence being prefilled before it joins the batch.
+
+    Attributes:
+        entry (tuple): its waiting entry (see ``SpeculativeBatchGenerator._waiting``).
+        done (int): the prompt tokens its caches hold.
+        ends (list of int): the ends of its prompt's segments still ahead, ascending, each
+            below the prompt's length.
+    """
+
+    entry: tuple[Any, ...]
+    done: int
+    ends: list[int]
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.entry[1]
+
+    def chunk(self, step: int) -> list[int]:
+        """Its next prompt tokens to prefill: up to ``step``, never past a segment's end nor
+        into the prompt's last token (the first round feeds it)."""
+        stop = min(self.done + step, self.ends[0] if self.ends else len(self.prompt) - 1)
+        return self.prompt[self.done : min(stop, len(self.prompt) - 1)]
+
+    def response(self, *, joins: bool = False) -> PromptResponse:
+        """Its progress, as mlx-lm's ``PromptProcessingBatch.Response``: after a chunk (the
+        end of a segment where the chunk reached one, or all of the prompt but its last
+        token), or as it ``joins`` the batch (its whole prompt)."""
+        total = len(self.prompt)
+        if joins:
+            return PromptResponse(self.entry[0], (total, total), True, True)
+        end = self.done == total - 1 or (bool(self.ends) and self.done == self.ends[0])
+        return PromptResponse(self.entry[0], (self.done, total), end, False)
+
+
+class _Prefill:
+    """Sequences prefilled a chunk at a time, as mlx-lm's ``BatchGenerator`` prefills them
+    between generation steps: one ``PromptProcessingBatch`` for the target and one for the
+    draft model, row ``i`` of each holding :attr:`rows` ``[i]``'s prompt so far."""
+
+    def __init__(self, models: list[nn.Module], step: int) -> None:
+        self.models = models
+        self.step = step
+        self.rows: list[_Joining] = []
+        self.batches: list[PromptProcessingBatch] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, entries: list[tuple[Any, ...]]) -> list[tuple[_Joining, list[Any]]]:
+        """Starts prefilling ``entries`` (waiting entries), each from its own caches where it
+        has some; those whose caches hold all of the prompt but its last token are given back
+        at once, with their caches."""
+        layers = [len(make_prompt_cache(m)) for m in self.models]
+        rows, caches, done = [], [[] for _ in self.models], []
+        for entry in entries:
+            started = entry[6]
+            held = started[0].offset if started is not None else 0
+            row = _Joining(entry, held, [e for e in entry[8] if e > held])
+            own = started if started is not None else []
+            if started is None:
+                for model in self.models:
+                    own += make_prompt_cache(model)
+            if held == len(row.prompt) - 1:
+                done.append((row, own))
+                continue
+            rows.append(row)
+            for k in range(len(self.models)):
+                first = sum(layers[:k])
+                caches[k].append(own[first : first + layers[k]])
+        if not rows:
+            return done
+        uids = [row.entry[0] for row in rows]
+        # mlx-lm's filter takes every per-row list, samplers and processors included (unused).
+        made = [
+            PromptProcessingBatch(
+                m,
+                list(uids),
+                c,
+                prefill_step_size=self.step,
+                samplers=[None] * len(uids),
+                logits_processors=[[] for _ in uids],
+            )
+            for m, c in zip(self.models, caches, strict=True)
+        ]
+        if self.batches:
+            for batch, more in zip(self.batches, made, strict=True):
+                batch.extend(more)
+        else:
+            self.batches = made
+        self.rows += rows
+        return done
+
+    def chunk(self) -> list[PromptResponse]:
+        """Prefills each row's next chunk (:meth:`_Joining.chunk`): its progress, and the end
+        of a segment where one is reached."""
+        chunks = [row.chunk(self.step) for row in self.rows]
+        if not self.rows or not any(chunks):
+            return []
+        for batch in self.batches:
+            batch.prompt(chunks)
+        responses = []
+        for row, chunk in zip(self.rows, chunks, strict=True):
+            row.done += len(chunk)
+            responses.append(row.response())
+            if row.ends and row.done == row.ends[0]:
+                row.ends.pop(0)
+        return responses
+
+    def caches(self, i: int) -> list[Any]:
+        """Row ``i``'s caches alone: the target's layers, then the draft model's."""
+        return [layer for batch in self.batches for layer in batch.extract_cache(i)]
+
+    def take(self, rows: list[int]) -> list[tuple[_Joining, list[Any]]]:
+        """Takes ``rows`` out, each with its caches alone."""
+        taken = [(self.rows[i], self.caches(i)) for i in rows]
+        keep = [i for i in range(len(self.rows)) if i not in set(rows)]
+        self.rows = [self.rows[i] for i in keep]
+        for batch in self.batches:
+            batch.filter(keep)
+        if not self.rows:
+            self.batches = []
+        return taken
+
+    def ready(self) -> list[int]:
+        """The rows whose caches hold all of their prompt but its last token: after the call
+        that reported it, as in mlx-lm, so that the server may file the caches of that last
+        segment's end (:meth:`SpeculativeBatchGenerator.extract_cache`)."""
+        return [i for i, row in enumerate(self.rows) if row.done == len(row.prompt) - 1]
+
+    @property
+    def nbytes(self) -> int:
+        """int: the bytes of the caches it holds."""
+        return sum(c.nbytes for batch in self.batches for c in batch.prompt_cache)
+
+
 class SpeculativeBatchGenerator:
     """Continuous batching with speculation: the counterpart of mlx-lm's ``BatchGenerator``,
     whose sequences join (:meth:`insert`) and leave (:meth:`remove`, or at their end) while
     others run.
 
-    Each :meth:`next` first lets waiting sequences join, as many as ``completion_batch_size``
-    leaves room for: they are prefilled together and added to the running
-    :class:`SpeculativeBatch` (once the plain step in flight, if any, is read). It then runs one
-    round, or one plain step, of the whole batch.
+    Each :meth:`next` first admits waiting sequences to the prefill, as many as
+    ``completion_batch_size`` and ``prefill_batch_size`` leave room for, and prefills one chunk
+    of ``prefill_step_size`` tokens of each (never past the end of a segment its
+    :meth:`insert` names), so that a long prompt joining stalls the running sequences for one
+    chunk at a time, as in mlx-lm. Sequences whose prompts are prefilled (but their last
+    token, which their first round feeds) join the running :class:`SpeculativeBatch` (once
+    the plain step in flight, if any, is read). It then runs one round, or one plain step, of
+    the whole batch.
 
     Args:
         model (nn.Module): the target model; its caches must all be ``KVCache``.
@@ -1060,18 +1206,28 @@ class SpeculativeBatchGenerator:
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self._uids = 0
         # Sequences waiting to join: (uid, prompt, max_tokens, sampler, key, draft length,
-        # caches to start from, stop sequences).
+        # caches to start from, stop sequences, segment ends).
         self._waiting: deque[tuple[Any, ...]] = deque()
+        models = [model] + ([draft_model] if draft_model is not None else [])
+        self._prefill = _Prefill(models, self.prefill_step_size)
+        # Prefilled sequences waiting for the plain step in flight, with their caches.
+        self._ready: list[tuple[_Joining, list[Any]]] = []
         self._batch: SpeculativeBatch | None = None
 
     def __len__(self) -> int:
-        """int: the sequences running or waiting."""
-        return len(self._waiting) + (len(self._batch) if self._batch is not None else 0)
+        """int: the sequences running, being prefilled or waiting."""
+        return len(self._waiting) + len(self._prefill) + len(self._ready) + len(self.running)
 
     @property
     def waiting(self) -> list[int]:
         """list of int: the uids of the sequences waiting to join, in order."""
         return [w[0] for w in self._waiting]
+
+    @property
+    def prefilling(self) -> list[int]:
+        """list of int: the uids of the sequences being prefilled, or prefilled and about to
+        join, in order."""
+        return [row.entry[0] for row in self._prefill.rows + [r for r, _ in self._ready]]
 
     @property
     def running(self) -> list[int]:
@@ -1080,9 +1236,10 @@ class SpeculativeBatchGenerator:
 
     @property
     def prompt_cache_nbytes(self) -> int:
-        """int: the bytes of every cache the generator holds, running or waiting (as mlx-lm's
-        ``BatchGenerator.prompt_cache_nbytes`` counts them)."""
+        """int: the bytes of every cache the generator holds, running, being prefilled or
+        waiting (as mlx-lm's ``BatchGenerator.prompt_cache_nbytes`` counts them)."""
         total = sum(c.nbytes for w in self._waiting if w[6] is not None for c in w[6])
+        total += self._prefill.nbytes + sum(c.nbytes for _, cs in self._ready for c in cs)
         if self._batch is not None:
             total += sum(c.nbytes for c in self._batch.cache + self._batch.draft_cache)
         return total
@@ -1097,8 +1254,9 @@ class SpeculativeBatchGenerator:
         draft_lengths: Sequence[int] | None = None,
         prompt_caches: Sequence[list[Any] | None] | None = None,
         stop_sequences: Sequence[Any] | None = None,
+        segment_ends: Sequence[Sequence[int]] | None = None,
     ) -> list[int]:
-        """Queues sequences to join the batch at the next :meth:`next`.
+        """Queues sequences to be prefilled and join the batch.
 
         Args:
             prompts (list of list of int): ``[L_i]`` token ids each, ``L_i >= 1``.
@@ -1118,6 +1276,10 @@ class SpeculativeBatchGenerator:
                 none.
             stop_sequences (list, optional): each one's mlx-lm ``StopSequences``, or ``None``
                 (the generator's ``eos_token_ids`` end it). Default: none.
+            segment_ends (list of list of int, optional): for each one, the prompt lengths at
+                which a segment of it ends, ascending, below its length: the prefill stops at
+                each (reported with ``end_of_segment``, its caches then given by
+                :meth:`extract_cache`). Default: none.
 
         Returns:
             list of int: each sequence's uid, numbered on from the last inserted.
@@ -1149,13 +1311,44 @@ class SpeculativeBatchGenerator:
                     f"{op}: `stop_sequences[{i}]` must be None or an mlx-lm StopSequences, got "
                     f"{stop!r}"
                 )
+        ends = _per_sequence(op, "segment_ends", segment_ends, len(ids))
+        for i, (these, prompt) in enumerate(zip(ends, ids, strict=True)):
+            listed = list(these) if isinstance(these, (list, tuple)) else None
+            if these is not None and (
+                listed is None
+                or not all(is_int(e) and 1 <= e < len(prompt) for e in listed)
+                or listed != sorted(set(listed))
+            ):
+                raise ValueError(
+                    f"{op}: `segment_ends[{i}]` must be None or ascending ints in [1, "
+                    f"{len(prompt) - 1}], got {these!r}"
+                )
         drawn = _check_keys(op, keys, rules)
         uids = list(range(self._uids, self._uids + len(ids)))
         self._uids += len(ids)
+        ends = [list(e) if e is not None else [] for e in ends]
         self._waiting.extend(
-            zip(uids, ids, most, chosen, drawn, lengths, started, stops, strict=True)
+            zip(uids, ids, most, chosen, drawn, lengths, started, stops, ends, strict=True)
         )
         return uids
+
+    def extract_cache(self, uids: Sequence[int]) -> dict[int, Any]:
+        """The caches of sequences being prefilled, as mlx-lm's ``BatchGenerator.extract_cache``
+        gives them: after a response with ``end_of_segment``, those of the segment's end.
+
+        Args:
+            uids (list of int): sequences' uids (those not being prefilled are ignored).
+
+        Returns:
+            dict: uid to ``(caches, tokens)``: its caches alone (the target's layers, then the
+            draft model's), holding the ``int`` tokens ``tokens``.
+        """
+        with mx.stream(self.stream):
+            return {
+                row.entry[0]: (self._prefill.caches(i), row.prompt[: row.done])
+                for i, row in enumerate(self._prefill.rows)
+                if row.entry[0] in set(uids)
+            }
 
     def remove(self, uids: Sequence[int], return_prompt_caches: bool = False) -> dict[int, Any]:
         """Takes sequences out, waiting or running, as mlx-lm's ``BatchGenerator.remove``.
@@ -1176,34 +1369,62 @@ class SpeculativeBatchGenerator:
             self._waiting.remove(waiting)
             if return_prompt_caches:
                 caches[waiting[0]] = (make_prompt_cache(self.model), [])
-        if self._batch is not None:
-            with mx.stream(self.stream):
+        with mx.stream(self.stream):
+            rows = [i for i, row in enumerate(self._prefill.rows) if row.entry[0] in gone]
+            ready = [(row, cs) for row, cs in self._ready if row.entry[0] in gone]
+            self._ready = [(row, cs) for row, cs in self._ready if row.entry[0] not in gone]
+            for row, row_caches in self._prefill.take(rows) + ready:
+                if return_prompt_caches:
+                    caches[row.entry[0]] = (row_caches, row.prompt[: row.done])
+            if self._batch is not None:
                 caches.update(self._batch.remove(list(gone), return_prompt_caches))
         return caches
 
     def next(self) -> list[Response]:
-        """Lets waiting sequences join, then runs one round or plain step of the batch.
+        """Prefills, lets prefilled sequences join, then runs one round or plain step of the
+        batch (see the class).
 
         Returns:
             list: a ``GenerationBatch.Response`` for each token emitted (none while nothing
             runs), as :meth:`SpeculativeBatch.next` gives them.
         """
+        return self.next_with_prompts()[1]
+
+    def next_with_prompts(self) -> tuple[list[PromptResponse], list[Response]]:
+        """:meth:`next`, with the prefill's progress, as mlx-lm's ``BatchGenerator.next``.
+
+        Returns:
+            tuple: a ``PromptProcessingBatch.Response`` for each sequence prefilled this call
+            (its progress; ``end_of_segment`` where the chunk reached the end of a segment;
+            ``end_of_prompt`` where its prompt is prefilled), and :meth:`next`'s responses.
+        """
         with mx.stream(self.stream):
-            running = len(self._batch) if self._batch is not None else 0
-            if self._waiting and running < self.completion_batch_size:
+            busy = len(self.running) + len(self._prefill) + len(self._ready)
+            room = min(self.completion_batch_size - busy, len(self._waiting))
+            if self.prefill_batch_size is not None:
+                room = min(room, self.prefill_batch_size - len(self._prefill))
+            # Rows prefilled by the last call join now, after the call that reported them.
+            taken = self._prefill.take(self._prefill.ready())
+            if room > 0:
+                taken += self._prefill.add([self._waiting.popleft() for _ in range(room)])
+            prompted = self._prefill.chunk()
+            prompted += [row.response(joins=True) for row, _ in taken]
+            self._ready += taken
+            if self._ready:
                 if self._batch is not None and self._batch.in_flight:
                     self._batch.settle()
                 else:
-                    self._join(self.completion_batch_size - running)
-            return self._batch.next() if self._batch is not None else []
+                    self._join()
+            return prompted, self._batch.next() if self._batch is not None else []
 
-    def _join(self, room: int) -> None:
-        """Prefills up to ``room`` waiting sequences and adds them to the batch."""
-        room = min(room, self.prefill_batch_size or room, len(self._waiting))
-        joining = [self._waiting.popleft() for _ in range(room)]
-        uids, prompts, most, samplers, keys, lengths, started, stops = (
-            list(column) for column in zip(*joining, strict=True)
+    def _join(self) -> None:
+        """Adds the prefilled sequences to the batch."""
+        entries = [row.entry for row, _ in self._ready]
+        uids, prompts, most, samplers, keys, lengths, _, stops, _ = (
+            list(column) for column in zip(*entries, strict=True)
         )
+        started = [caches for _, caches in self._ready]
+        self._ready = []
         batch = SpeculativeBatch(
             self.model,
             prompts,

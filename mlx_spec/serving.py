@@ -15,6 +15,7 @@ its prompt cache as it files mlx-lm's.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Any
 
 import mlx.core as mx
@@ -34,9 +35,10 @@ class ServerBatchGenerator:
     """mlx-lm's ``BatchGenerator``, as ``mlx_lm.server`` drives it, with speculation.
 
     A request's prompt is the tokens its caches hold (``all_tokens``) and its segments. It is
-    prefilled in one call when it joins, from its caches where they fit (:func:`held_tokens`;
-    else from new caches), and reported then as a whole prompt processed: the batch saves no
-    cache at the end of a segment, so :meth:`extract_cache` gives none.
+    prefilled a chunk at a time between the batch's rounds, from its caches where they fit
+    (:func:`held_tokens`; else from new caches), each chunk stopping at the end of a segment,
+    where :meth:`extract_cache` gives its caches for the server's prompt cache (a system
+    prompt's, say), as mlx-lm's ``BatchGenerator`` does.
 
     Args:
         model (nn.Module): the target model; its caches must all be ``KVCache``.
@@ -80,8 +82,6 @@ class ServerBatchGenerator:
         self.layers = len(make_prompt_cache(model)) + (
             len(make_prompt_cache(draft_model)) if draft_model is not None else 0
         )
-        # Each waiting request's prompt length, for its prompt response when it joins.
-        self._prompts: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self.generator)
@@ -136,46 +136,46 @@ class ServerBatchGenerator:
         lengths = [
             getattr(ps, "num_draft_tokens", self.generator.num_draft_tokens) for ps in processors
         ]
-        uids = self.generator.insert(
+        # The end of each segment but the last, as a prompt length (empty segments end none).
+        ends = [
+            sorted(set(accumulate((len(part) for part in parts[:-1]), initial=len(before))))
+            for before, parts in zip(held, segments, strict=True)
+        ]
+        return self.generator.insert(
             prompts,
             max_tokens,
             samplers,
             draft_lengths=lengths,
             prompt_caches=started,
             stop_sequences=stop_sequences,
+            segment_ends=[
+                [e for e in these if 0 < e < len(p)] for these, p in zip(ends, prompts, strict=True)
+            ],
         )
-        self._prompts.update(zip(uids, (len(p) for p in prompts), strict=True))
-        return uids
 
     def next(self) -> tuple[list[PromptResponse], list[Any]]:
-        """Lets waiting requests join, then runs one round or plain step.
+        """Prefills, lets prefilled requests join, then runs one round or plain step
+        (:meth:`SpeculativeBatchGenerator.next_with_prompts`).
 
         Returns:
-            tuple: a ``PromptProcessingBatch.Response`` for each request that joined (its whole
-            prompt processed), and a ``GenerationBatch.Response`` for each token emitted.
+            tuple: a ``PromptProcessingBatch.Response`` for each request prefilled (its
+            progress, and where a segment or the prompt ends), and a
+            ``GenerationBatch.Response`` for each token emitted.
         """
-        waiting = self.generator.waiting
-        generated = self.generator.next()
-        left = set(self.generator.waiting)
-        joined = [uid for uid in waiting if uid not in left]
+        prompted, generated = self.generator.next_with_prompts()
         if generated and not len(self.generator):
             # The batch drained: MLX's buffer cache holds buffers of every batch size and
             # length it met, which a later burst may not meet again.
             mx.clear_cache()
-        prompted = []
-        for uid in joined:
-            length = self._prompts.pop(uid)
-            prompted.append(PromptResponse(uid, (length, length), True, True))
         return prompted, generated
 
     def extract_cache(self, uids: Sequence[int]) -> dict[int, Any]:
-        """No cache: the batch saves none at the end of a segment (see the class)."""
-        return {}
+        """The caches of requests being prefilled: after ``end_of_segment``, the segment's
+        (:meth:`SpeculativeBatchGenerator.extract_cache`)."""
+        return self.generator.extract_cache(uids)
 
     def remove(self, uids: Sequence[int], return_prompt_caches: bool = False) -> dict[int, Any]:
         """Takes requests out, as :meth:`SpeculativeBatchGenerator.remove`."""
-        for uid in uids:
-            self._prompts.pop(uid, None)
         return self.generator.remove(uids, return_prompt_caches)
 
     @property
@@ -185,4 +185,5 @@ class ServerBatchGenerator:
 
     def close(self) -> None:
         """Drops every request."""
-        self.remove(self.generator.waiting + self.generator.running)
+        generator = self.generator
+        self.remove(generator.waiting + generator.prefilling + generator.running)

@@ -434,7 +434,39 @@ def test_a_sequence_removed_before_it_joins_yields_nothing(tokenizer):
     caches, held = generator.remove([second], return_prompt_caches=True)[second]
     assert held == [] and all(layer.offset == 0 for layer in caches)
     tokens = []
-    while responses := generator.next():
-        assert {r.uid for r in responses} == {first}
+    while len(generator):
+        responses = generator.next()
+        assert {r.uid for r in responses} <= {first}
         tokens += [r.token for r in responses]
     assert tokens == plain(model, tokenizer, [PROMPTS[0]], 8)[0]
+
+
+def test_a_sequence_removed_while_it_is_prefilled_gives_the_caches_of_its_chunks(tokenizer):
+    model = tiny_llama(0)
+    generator = mlx_spec.SpeculativeBatchGenerator(
+        model, drafter="prompt-lookup", prefill_step_size=16
+    )
+    first, second = generator.insert([PROMPTS[3], PROMPTS[0]], max_tokens=8)
+    generator.next()
+    generator.next()
+    assert generator.prefilling == [first, second] and generator.prompt_cache_nbytes > 0
+    caches, held = generator.remove([first], return_prompt_caches=True)[first]
+    assert held == PROMPTS[3][:32] and {layer.offset for layer in caches} == {32}
+    # The caches hold those tokens as a prefill of them alone does.
+    alone = make_prompt_cache(model)
+    model(mx.array([held]), cache=alone)
+    for got, want in zip(caches, alone, strict=True):
+        for ours, theirs in ((got.keys, want.keys), (got.values, want.values)):
+            assert mx.allclose(ours[..., :32, :], theirs[..., :32, :], atol=1e-5).item()
+    tokens = []
+    while len(generator):
+        tokens += [r.token for r in generator.next()]
+    assert tokens == plain(model, tokenizer, [PROMPTS[0]], 8)[0]
+
+
+@pytest.mark.parametrize("ends", [[0], [3, 2], [40], "3", [3, 3]])
+def test_segment_ends_out_of_range_or_order_are_refused(ends):
+    generator = mlx_spec.SpeculativeBatchGenerator(tiny_llama(0), drafter="prompt-lookup")
+    with pytest.raises(ValueError, match=r"^SpeculativeBatchGenerator.insert: `segment_ends\[0\]`"):
+        generator.insert([PROMPTS[0]], segment_ends=[ends])
+    assert len(generator) == 0

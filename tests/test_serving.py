@@ -43,9 +43,10 @@ def stops_of(tokens: list[list[int]]) -> StopSequences:
 
 
 def drive(generator, segments, *, stops=None, processors=None, remove_after=None, **kwargs):
-    """Each request's ``(tokens, finish reason, final response)``, driving ``generator`` as the
-    server does; ``remove_after``: ``(uid index, calls)`` removes one request after that many
-    calls of ``next``."""
+    """Each request's ``(tokens, final response)``, and every prompt response as ``(call, uid,
+    progress, end_of_segment, end_of_prompt)``, driving ``generator`` as the server does;
+    ``remove_after``: ``(uid index, calls)`` removes one request after that many calls of
+    ``next``."""
     uids = generator.insert_segments(
         segments,
         stop_sequences=stops,
@@ -56,7 +57,9 @@ def drive(generator, segments, *, stops=None, processors=None, remove_after=None
     last, prompted = {}, []
     for call in range(1, 2000):
         prompt_responses, responses = generator.next()
-        prompted += [r.uid for r in prompt_responses]
+        prompted += [
+            (call, r.uid, r.progress, r.end_of_segment, r.end_of_prompt) for r in prompt_responses
+        ]
         for r in responses:
             tokens[r.uid].append(r.token)
             if r.finish_reason is not None:
@@ -72,9 +75,14 @@ def drive(generator, segments, *, stops=None, processors=None, remove_after=None
     return [(tokens[u], last[u]) for u in uids], prompted
 
 
-def reference(target, segments, **kwargs):
-    generator = BatchGenerator(target, completion_batch_size=8, prefill_batch_size=8)
-    return drive(generator, segments, **kwargs)[0]
+def reference(target, segments, *, prompted=False, prefill_step_size=2048, **kwargs):
+    """mlx-lm's ``BatchGenerator`` driven as :func:`drive` drives it: the requests' tokens and
+    final responses (and, with ``prompted``, its prompt responses)."""
+    generator = BatchGenerator(
+        target, completion_batch_size=8, prefill_batch_size=8, prefill_step_size=prefill_step_size
+    )
+    got, responses = drive(generator, segments, **kwargs)
+    return (got, responses) if prompted else got
 
 
 def test_server_batches_give_mlx_lms_tokens_and_stops(target, make) -> None:
@@ -88,14 +96,62 @@ def test_server_batches_give_mlx_lms_tokens_and_stops(target, make) -> None:
         stops_of([[206, 128]]),
     ]
     segments = [[p[:3], p[3:]] if len(p) > 3 else [p] for p in PROMPTS]
-    expected = reference(target, segments, stops=stops, max_tokens=MAX_TOKENS)
+    expected, mlx_lms = reference(
+        target, segments, prompted=True, stops=stops, max_tokens=MAX_TOKENS
+    )
     got, prompted = drive(make(), segments, stops=stops, max_tokens=MAX_TOKENS)
     for (tokens, last), (want, want_last) in zip(got, expected, strict=True):
         assert tokens == want
         assert last.finish_reason == want_last.finish_reason
     assert [len(t) for t, _ in expected] == [23, 11, 30, 9]  # where the stops are met
     assert [r.finish_reason for _, r in expected] == ["stop", "stop", "length", "stop"]
-    assert sorted(prompted) == sorted(last.uid for _, last in got)
+    # The same prompt responses at the same calls: each segment's end, then the whole prompt.
+    assert sorted(prompted) == sorted(mlx_lms)
+    assert (1, 0, (3, 40), True, False) in prompted and (2, 0, (39, 40), True, False) in prompted
+
+
+def test_long_prompts_are_prefilled_a_chunk_a_call_while_others_run(target, make) -> None:
+    # Chunks of 8 tokens: a 75-token prompt takes 10 calls to prefill its first 74 (its first
+    # segment's 3, then 71 in chunks of 8) and joins at the 11th. The short prompts run
+    # meanwhile, emitting a token (or more) every call; every request's tokens are mlx-lm's,
+    # and so are the prompt responses.
+    segments = [[p[:3], p[3:]] if len(p) > 3 else [p] for p in PROMPTS]
+    expected, mlx_lms = reference(
+        target, segments, prompted=True, prefill_step_size=8, max_tokens=MAX_TOKENS
+    )
+    generator = make(prefill_step_size=8)
+    got, prompted = drive(generator, segments, max_tokens=MAX_TOKENS)
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    assert sorted(prompted) == sorted(mlx_lms)
+    joined = {uid: call for call, uid, _, _, end in prompted if end}
+    assert joined[1] == 1 and joined[3] == 11, joined
+    # The short prompt [7] emitted tokens on every call before the long one joined.
+    assert len(got[1][0]) >= joined[3] or got[1][1].finish_reason == "stop"
+
+
+def test_a_segments_end_gives_its_caches_for_the_servers_prompt_cache(target, make) -> None:
+    # A system prompt of 10 tokens, then 30 more: at the segment's end the server takes the
+    # caches (the target's and any draft model's) holding exactly those 10 tokens, and a later
+    # request started from them gives the tokens of the whole prompt prefilled afresh.
+    system, rest = PROMPTS[3][:10], PROMPTS[3][10:40]
+    generator = make(prefill_step_size=8)
+    (uid,) = generator.insert_segments([[system, rest]], max_tokens=[MAX_TOKENS[0]])
+    saved = None
+    for _ in range(50):
+        prompted, _ = generator.next()
+        ends = [r.uid for r in prompted if r.end_of_segment and not r.end_of_prompt]
+        caches = generator.extract_cache(ends)
+        if saved is None and uid in caches:
+            saved = caches[uid]
+        if not len(generator):
+            break
+    cache, tokens = saved
+    assert tokens == system
+    assert len(cache) == generator.layers and {c.offset for c in cache} == {10}
+    fresh = make()
+    got, _ = drive(fresh, [[rest]], caches=[cache], all_tokens=[tokens], max_tokens=MAX_TOKENS[:1])
+    expected = reference(target, [[system + rest]], max_tokens=MAX_TOKENS[:1])
+    assert got[0][0] == expected[0][0]
 
 
 def test_a_finished_requests_caches_start_its_next_turn(target, make, monkeypatch) -> None:
@@ -145,8 +201,13 @@ def test_each_request_drafts_up_to_its_own_num_draft_tokens(target, make) -> Non
     lengths = [0, 1, 3, 2]
     processors = [_mlx_lm.DraftTokens([], n) for n in lengths]
     generator.insert_segments([[p] for p in PROMPTS], logits_processors=processors)
-    generator.next()
-    assert [s.draft_length for s in generator.generator._batch.sequences] == lengths
+    while generator.generator.waiting or generator.generator.prefilling:
+        generator.next()  # prefilled, then joined
+    running = {s.uid: s.draft_length for s in generator.generator._batch.sequences}
+    assert [running[uid] for uid in range(4) if uid in running] == [
+        n for uid, n in enumerate(lengths) if uid in running
+    ]
+    assert len(running) >= 3  # [7] may have finished
     expected = reference(target, [[p] for p in PROMPTS], max_tokens=MAX_TOKENS)
     got, _ = drive(make(), [[p] for p in PROMPTS], processors=processors, max_tokens=MAX_TOKENS)
     assert [t for t, _ in got] == [t for t, _ in expected]
