@@ -1088,9 +1088,9 @@ def _batching(batch_generator: type) -> Callable[..., Any]:
 
 def _batchable_request(is_batchable: Callable[[Any, Any], bool]) -> Callable[[Any, Any], bool]:
     """``ResponseGenerator._is_batchable`` that, for a model whose requests batch speculatively,
-    also leaves to be served one at a time a request with logits processors (a logit bias or a
-    penalty) or more draft tokens than the server's ``--num-draft-tokens``, and every request of
-    a server split over processes (whose batches mlx-spec has not run)."""
+    also leaves to be served one at a time a request with more draft tokens than the server's
+    ``--num-draft-tokens``, and every request of a server split over processes (whose batches
+    mlx-spec has not run)."""
 
     def batchable(self: Any, args: Any) -> bool:
         if not is_batchable(self, args):
@@ -1099,10 +1099,8 @@ def _batchable_request(is_batchable: Callable[[Any, Any], bool]) -> Callable[[An
             return True
         if getattr(self, "_is_distributed", False):
             return False
-        server = sys.modules["mlx_lm.server"]
-        processors = _unpatched(server, "_make_logits_processors")(args)
         n = args.num_draft_tokens
-        return not processors and isinstance(n, int) and 0 <= n <= _speculating["most"]
+        return isinstance(n, int) and 0 <= n <= _speculating["most"]
 
     return batchable
 
@@ -1273,8 +1271,9 @@ def patch_server(
     - The server's ``BatchGenerator(model, ...)`` gives, for that model, what the maker makes
       (:class:`mlx_spec.serving.ServerBatchGenerator`), with ``num_draft_tokens`` the server's
       ``--num-draft-tokens``; ``_make_logits_processors`` gives a :class:`DraftTokens`, which
-      carries each request's ``num_draft_tokens`` to it; and ``_is_batchable`` leaves a request
-      with logits processors or more draft tokens than that to be served one at a time.
+      carries each request's ``num_draft_tokens`` to it (with its logits processors); and
+      ``_is_batchable`` leaves a request with more draft tokens than that to be served one at a
+      time.
 
     Args:
         serial (callable): ``serial(model) -> bool``, asked of each model the server loads.

@@ -173,6 +173,8 @@ class _Sequence:
         label (int): that proposal's kind (:attr:`mlx_spec.drafters.Draft.label`).
         stop (StopSequences.Matcher, optional): mlx-lm's matcher of its stop sequences, which
             end it at their last token (``None``: the batch's EOS ids do).
+        processors (list): its logits processors, ``processor(tokens, logits)`` as mlx-lm calls
+            them, applied to its target logits at each position given its text up to there.
     """
 
     uid: int
@@ -188,6 +190,7 @@ class _Sequence:
     draft: list[int] = field(default_factory=list)
     label: int = 0
     stop: Any = None
+    processors: list[Any] = field(default_factory=list)
 
     def ends(self, token: int, eos: set[int]) -> bool:
         """Whether ``token``, just emitted, ends the sequence with finish reason ``"stop"``."""
@@ -293,6 +296,10 @@ class SpeculativeBatch:
             prompt's first tokens (fewer than all). Default: none.
         stop_sequences (list, optional): for each sequence mlx-lm's ``StopSequences``, whose
             match ends it (finish reason ``"stop"``) instead of ``eos_token_ids``. Default: none.
+        logits_processors (list, optional): for each sequence a list of logits processors
+            (``processor(tokens, logits)``, as mlx-lm's ``make_logits_processors`` makes them),
+            applied to its target logits at every position, as mlx-lm's ``GenerationBatch``
+            applies them. Default: none.
     """
 
     def __init__(
@@ -313,6 +320,7 @@ class SpeculativeBatch:
         uids: list[int] | None = None,
         prompt_caches: list[list[Any] | None] | None = None,
         stop_sequences: list[Any] | None = None,
+        logits_processors: list[list[Any]] | None = None,
     ) -> None:
         count = len(prompts)
         started, started_drafts = _split_started(
@@ -327,8 +335,8 @@ class SpeculativeBatch:
         self.return_prompt_caches = return_prompt_caches
         rules = [make_rule(s, "coupled", self.vocab) for s in samplers or [None] * count]
         self.sequences = [
-            _sequence(uid, prompt, drafter, n, most, rule, key, policy, stop)
-            for uid, prompt, n, most, rule, key, stop in zip(
+            _sequence(uid, prompt, drafter, n, most, rule, key, policy, stop, processors)
+            for uid, prompt, n, most, rule, key, stop, processors in zip(
                 uids if uids is not None else range(count),
                 prompts,
                 draft_lengths,
@@ -336,6 +344,7 @@ class SpeculativeBatch:
                 rules,
                 keys or [None] * count,
                 stop_sequences or [None] * count,
+                logits_processors or [[]] * count,
                 strict=True,
             )
         ]
@@ -417,6 +426,35 @@ class SpeculativeBatch:
         last = mx.array([[s.text.ids(len(s.text) - 1)[0]] for s in self.sequences], mx.uint32)
         fed = mx.where(drafts >= self.vocab, last, drafts) if self.vocab else drafts
         return mx.concatenate([last, fed], axis=1)
+
+    def _processed(
+        self, logits: mx.array, fed: mx.array | None = None, drafts: mx.array | None = None
+    ) -> mx.array:
+        """``[B, W, V]`` target ``logits`` after each row's logits processors: position ``j``
+        of row ``i`` given its text, then (a plain step ahead of the text) its ``fed`` token, or
+        (a round) its first ``j`` ``drafts``. A row's positions past its own drafts, which
+        decide nothing, are left as they are."""
+        if not any(s.processors for s in self.sequences):
+            return logits
+        rows = []
+        for i, s in enumerate(self.sequences):
+            if not s.processors:
+                rows.append(logits[i])
+                continue
+            context = mx.array(s.text.ids(0), dtype=mx.uint32)
+            if fed is not None:
+                context = mx.concatenate([context, fed[i : i + 1]])
+            own = min(drafts.shape[1], s.cap) + 1 if drafts is not None else 1
+            positions = []
+            for j in range(logits.shape[1]):
+                row = logits[i, j : j + 1]
+                if j < own:
+                    tokens = mx.concatenate([context, drafts[i, :j]]) if j else context
+                    for processor in s.processors:
+                        row = processor(tokens, row)
+                positions.append(row)
+            rows.append(mx.concatenate(positions))
+        return mx.stack(rows)
 
     def _decide(self, logits: mx.array, drafts: mx.array) -> mx.array:
         """The round's lazy ``[B, 3]`` decisions, each row under its own rule."""
@@ -510,7 +548,8 @@ class SpeculativeBatch:
         the lazy ``[B]`` uint32 tokens (:data:`mlx_spec.INVALID_ROW` where a row cannot decide),
         the ``[B]`` ids to feed next and the ``[B, V]`` log-probabilities."""
         saved = mx.random.state[0] if self._seeds else None
-        logits = self.model(fed[:, None], cache=self.cache)[:, 0]
+        logits = self._processed(self.model(fed[:, None], cache=self.cache), fed if ahead else None)
+        logits = logits[:, 0]
         rules = [s.rule for s in self.sequences]
         states = [s.states(0, draft=False, ahead=ahead) for s in self.sequences]
         if len(set(rules)) == 1:
@@ -564,7 +603,7 @@ class SpeculativeBatch:
         start = time.perf_counter()
         saved = mx.random.state[0] if self._seeds else None
         drafts = self._proposals(n)
-        logits = self.model(self._inputs(drafts), cache=self.cache)
+        logits = self._processed(self.model(self._inputs(drafts), cache=self.cache), drafts=drafts)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         decided = self._decide(logits, drafts)
         read = np.array(mx.concatenate([decided, drafts], axis=1))
@@ -666,6 +705,7 @@ def _sequence(
     key: mx.array | None,
     policy: BatchAdaptive | None,
     stop: Any = None,
+    processors: list[Any] | None = None,
 ) -> _Sequence:
     """A sequence with its own copy of ``drafter``, started on its prompt, the chain of its key
     where its rule samples, its acceptance estimate where ``policy`` adapts and its matcher of
@@ -678,7 +718,18 @@ def _sequence(
     chain = KeyChain(key, rule.steps) if rule.random else None
     estimate = policy.sequence() if policy is not None else None
     matcher = stop.matcher() if stop is not None else None
-    return _Sequence(uid, text, mine, draft_length, max_tokens, rule, chain, estimate, stop=matcher)
+    return _Sequence(
+        uid,
+        text,
+        mine,
+        draft_length,
+        max_tokens,
+        rule,
+        chain,
+        estimate,
+        stop=matcher,
+        processors=list(processors or []),
+    )
 
 
 def _per_prompt(
@@ -1206,7 +1257,7 @@ class SpeculativeBatchGenerator:
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self._uids = 0
         # Sequences waiting to join: (uid, prompt, max_tokens, sampler, key, draft length,
-        # caches to start from, stop sequences, segment ends).
+        # caches to start from, stop sequences, segment ends, logits processors).
         self._waiting: deque[tuple[Any, ...]] = deque()
         models = [model] + ([draft_model] if draft_model is not None else [])
         self._prefill = _Prefill(models, self.prefill_step_size)
@@ -1255,6 +1306,7 @@ class SpeculativeBatchGenerator:
         prompt_caches: Sequence[list[Any] | None] | None = None,
         stop_sequences: Sequence[Any] | None = None,
         segment_ends: Sequence[Sequence[int]] | None = None,
+        logits_processors: Sequence[Sequence[Any]] | None = None,
     ) -> list[int]:
         """Queues sequences to be prefilled and join the batch.
 
@@ -1280,6 +1332,8 @@ class SpeculativeBatchGenerator:
                 which a segment of it ends, ascending, below its length: the prefill stops at
                 each (reported with ``end_of_segment``, its caches then given by
                 :meth:`extract_cache`). Default: none.
+            logits_processors (list, optional): each one's list of logits processors
+                (:class:`SpeculativeBatch`). Default: none.
 
         Returns:
             list of int: each sequence's uid, numbered on from the last inserted.
@@ -1323,13 +1377,26 @@ class SpeculativeBatchGenerator:
                     f"{op}: `segment_ends[{i}]` must be None or ascending ints in [1, "
                     f"{len(prompt) - 1}], got {these!r}"
                 )
+        processors = _per_sequence(op, "logits_processors", logits_processors, len(ids))
+        for i, these in enumerate(processors):
+            if these is not None and (
+                not isinstance(these, (list, tuple)) or not all(callable(f) for f in these)
+            ):
+                raise ValueError(
+                    f"{op}: `logits_processors[{i}]` must be None or a list of callables, got "
+                    f"{these!r}"
+                )
         drawn = _check_keys(op, keys, rules)
         uids = list(range(self._uids, self._uids + len(ids)))
         self._uids += len(ids)
         ends = [list(e) if e is not None else [] for e in ends]
+        processors = [list(these or []) for these in processors]
         self._waiting.extend(
-            zip(uids, ids, most, chosen, drawn, lengths, started, stops, ends, strict=True)
-        )
+            zip(
+                uids, ids, most, chosen, drawn, lengths, started, stops, ends, processors,
+                strict=True,
+            )
+        )  # fmt: skip
         return uids
 
     def extract_cache(self, uids: Sequence[int]) -> dict[int, Any]:
@@ -1420,7 +1487,7 @@ class SpeculativeBatchGenerator:
     def _join(self) -> None:
         """Adds the prefilled sequences to the batch."""
         entries = [row.entry for row, _ in self._ready]
-        uids, prompts, most, samplers, keys, lengths, _, stops, _ = (
+        uids, prompts, most, samplers, keys, lengths, _, stops, _, processors = (
             list(column) for column in zip(*entries, strict=True)
         )
         started = [caches for _, caches in self._ready]
@@ -1441,6 +1508,7 @@ class SpeculativeBatchGenerator:
             uids=uids,
             prompt_caches=started,
             stop_sequences=stops,
+            logits_processors=processors,
         )
         if self._batch is None or not len(self._batch):
             self._batch = batch

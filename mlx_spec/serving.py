@@ -106,18 +106,17 @@ class ServerBatchGenerator:
                 ``None``.
             all_tokens (list of list of int, optional): the tokens each one's caches hold.
             samplers (list, optional): each one's sampler.
-            logits_processors (list, optional): each one's processors, which must be none (the
-                patched server serves a request with some one at a time), each list carrying
-                the request's ``num_draft_tokens`` (:class:`mlx_spec._mlx_lm.DraftTokens`).
+            logits_processors (list, optional): each one's processors (a logit bias,
+                penalties), each list carrying the request's ``num_draft_tokens``
+                (:class:`mlx_spec._mlx_lm.DraftTokens`).
             stop_sequences (list, optional): each one's mlx-lm ``StopSequences``.
 
         Returns:
             list of int: each request's uid.
 
         Raises:
-            ValueError: a request has logits processors, or an argument is out of range.
+            ValueError: an argument is out of range.
         """
-        op = "ServerBatchGenerator.insert_segments"
         count = len(segments)
         held = all_tokens or [[] for _ in segments]
         prompts = [
@@ -125,8 +124,6 @@ class ServerBatchGenerator:
             for before, parts in zip(held, segments, strict=True)
         ]
         processors = logits_processors or [[] for _ in segments]
-        if any(processors):
-            raise ValueError(f"{op}: batched speculation takes no logits processors")
         started = [
             cache
             if cache is not None and held_tokens(cache, self.layers, len(p)) == len(before)
@@ -151,6 +148,7 @@ class ServerBatchGenerator:
             segment_ends=[
                 [e for e in these if 0 < e < len(p)] for these, p in zip(ends, prompts, strict=True)
             ],
+            logits_processors=[list(these) for these in processors],
         )
 
     def next(self) -> tuple[list[PromptResponse], list[Any]]:

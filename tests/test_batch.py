@@ -470,3 +470,39 @@ def test_segment_ends_out_of_range_or_order_are_refused(ends):
     with pytest.raises(ValueError, match=r"^SpeculativeBatchGenerator.insert: `segment_ends\[0\]`"):
         generator.insert([PROMPTS[0]], segment_ends=[ends])
     assert len(generator) == 0
+
+
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "draft-model"])
+@pytest.mark.parametrize("lengths", ["fixed", "plain steps"])
+def test_rows_with_logits_processors_give_mlx_lms_tokens(drafter, lengths):
+    # Each row its own processors (a bias, a penalty, both, none), at fixed N = 3 (every
+    # verified position processed given the drafts before it) and in plain steps (each given
+    # the token of the step ahead of the text).
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model = tiny_llama(0)
+    processors = [
+        make_logits_processors(repetition_penalty=1.5, repetition_context_size=20),
+        [],
+        make_logits_processors(logit_bias={200: -9.0, 7: 3.0}, repetition_penalty=1.2),
+        make_logits_processors(logit_bias={33: 12.0}),
+    ]
+    theirs = BatchGenerator(model)
+    uids = theirs.insert(PROMPTS, [20] * 4, logits_processors=processors)
+    want = {uid: [] for uid in uids}
+    while responses := theirs.next_generated():
+        for r in responses:
+            want[r.uid].append(r.token)
+    theirs.close()
+    chosen = {
+        "fixed": {"adaptive": False},
+        "plain steps": {"policy": BatchAdaptive(3, {b: DEAR for b in range(1, 5)})},
+    }[lengths]
+    draft = {"drafter": drafter} if drafter == "prompt-lookup" else {"draft_model": cut(model, 1)}
+    mine = mlx_spec.SpeculativeBatchGenerator(model, **draft, **chosen)
+    uids = mine.insert(PROMPTS, 20, logits_processors=processors)
+    got = {uid: [] for uid in uids}
+    while len(mine):
+        for r in mine.next():
+            got[r.uid].append(r.token)
+    assert got == want

@@ -675,16 +675,20 @@ def test_patched_server_batches_speculative_requests(draft) -> None:
     patch_mlx_lm(prompt_lookup=not draft)
     try:
         provider, generator = serving()
-        # A request with a seed, a logits processor or more draft tokens than the server's
-        # is served one at a time; others batch.
+        # A request with a seed or more draft tokens than the server's is served one at a
+        # time; others batch, logits processors (a bias, a penalty) included.
         assert batchable(provider) and batchable(provider, num_draft_tokens=0)
         assert batchable(provider, num_draft_tokens=4)
         assert not batchable(provider, seed=3)
         assert not batchable(provider, num_draft_tokens=5)
-        assert not batchable(provider, logit_bias={1: 2.0})
-        assert not batchable(provider, repetition_penalty=1.1)
+        assert batchable(provider, logit_bias={1: 2.0})
+        assert batchable(provider, repetition_penalty=1.1)
         made = server._make_logits_processors(server_request(num_draft_tokens=2))
         assert made == [] and made.num_draft_tokens == 2
+        made = server._make_logits_processors(
+            server_request(logit_bias={1: 2.0}, repetition_penalty=1.1, num_draft_tokens=1)
+        )
+        assert len(made) == 2 and all(callable(f) for f in made) and made.num_draft_tokens == 1
         # A server split over processes keeps serving them one at a time.
         split = SimpleNamespace(model_provider=provider, cli_args=args, _is_distributed=True)
         assert not server.ResponseGenerator._is_batchable(split, server_request())

@@ -12,6 +12,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator, PromptProcessingBatch, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors
 from tiny_models import cut, tiny_llama
 
 from mlx_spec import _mlx_lm
@@ -238,9 +239,31 @@ def test_the_caches_held_are_counted_and_close_drops_them(target, make) -> None:
     assert generator.next() == ([], [])
 
 
-def test_a_request_with_logits_processors_is_refused(make) -> None:
-    with pytest.raises(ValueError, match=r"^ServerBatchGenerator.insert_segments: .*processors"):
-        make().insert_segments([[[1, 2]]], logits_processors=[[lambda tokens, logits: logits]])
+def test_requests_with_logits_processors_give_mlx_lms_tokens(target, make) -> None:
+    # A logit bias, none, both, and a repetition penalty over the last 20 tokens, each row its
+    # own, applied at every position a round verifies given the text and drafts before it.
+    made = [
+        make_logits_processors(logit_bias={33: 12.0}),
+        [],
+        make_logits_processors(logit_bias={200: -9.0, 7: 3.0}, repetition_penalty=1.2),
+        make_logits_processors(repetition_penalty=1.5, repetition_context_size=20),
+    ]
+    processors = [_mlx_lm.DraftTokens(p, 3) for p in made]
+    segments = [[p] for p in PROMPTS]
+    expected = reference(target, segments, processors=made, max_tokens=MAX_TOKENS)
+    plain = reference(target, segments, max_tokens=MAX_TOKENS)
+    got, _ = drive(make(), segments, processors=processors, max_tokens=MAX_TOKENS)
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    # The processors changed the text of every row that has some, and only those.
+    changed = [t != p for (t, _), (p, _) in zip(expected, plain, strict=True)]
+    assert changed == [True, False, True, True]
+
+
+def test_a_logits_processor_that_is_not_callable_is_refused(make) -> None:
+    with pytest.raises(
+        ValueError, match=r"^SpeculativeBatchGenerator.insert: `logits_processors\[0\]`"
+    ):
+        make().insert_segments([[[1, 2]]], logits_processors=[[None]])
 
 
 def test_a_stream_given_is_the_one_used(make) -> None:
