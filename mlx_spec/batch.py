@@ -866,6 +866,7 @@ def batch_generate(
     return_prompt_caches: bool = False,
     return_token_ids: bool = False,
     return_logprobs: bool = False,
+    logits_processors: Sequence[Any] | None = None,
 ) -> BatchResponse:
     """Speculative decoding of many prompts at once: a drop-in for ``mlx_lm.batch_generate``.
 
@@ -916,6 +917,10 @@ def batch_generate(
         return_token_ids (bool): return the generated ids. Default: ``False``.
         return_logprobs (bool): return each generated token's float log-probability.
             Default: ``False``.
+        logits_processors (list, optional): logits processors (``processor(tokens, logits)``,
+            as ``mlx_lm.sample_utils.make_logits_processors`` makes them) applied to every
+            sequence's target logits at every position, as mlx-lm's ``BatchGenerator`` applies
+            its ``logits_processors``. Default: none.
 
     Returns:
         BatchResponse: mlx-lm's, in the order of ``prompts``: ``texts``, ``stats`` (rounds
@@ -957,6 +962,11 @@ def batch_generate(
         raise ValueError(f"{op}: `policy` is given with `adaptive=False`; give one or the other")
     if adaptive and policy is None and max(lengths):
         policy = BatchAdaptive(max(lengths))
+    processors = list(logits_processors or [])
+    if not all(callable(f) for f in processors):
+        raise ValueError(
+            f"{op}: `logits_processors` must be a list of callables, got {logits_processors!r}"
+        )
     chosen = _check_keys(op, keys, rules)
     stats = BatchStats()
     start = time.perf_counter()
@@ -974,6 +984,7 @@ def batch_generate(
             prefill_step_size=prefill_step_size,
             return_prompt_caches=return_prompt_caches,
             policy=policy if adaptive else None,
+            logits_processors=[processors] * len(ids),
         )
         stats.prompt_tokens = sum(len(p) for p in ids)
         stats.prompt_time = time.perf_counter() - start

@@ -312,6 +312,7 @@ def test_the_in_place_probe_holds_on_this_mlx_lm():
         ({"sampler": SAMPLERS[:2], "keys": [None, None]}, "`keys[0]`"),
         ({"sampler": SAMPLERS[0], "keys": [mx.random.key(1), mx.array([1, 2])]}, "`keys[1]`"),
         ({"acceptance": "residual"}, "`acceptance`"),
+        ({"logits_processors": [None]}, "`logits_processors`"),
         ({"prefill_step_size": 0}, "`prefill_step_size`"),
         ({"return_token_ids": 1}, "`return_token_ids`"),
         ({"adaptive": 1}, "`adaptive`"),

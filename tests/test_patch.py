@@ -600,6 +600,21 @@ def test_patched_batch_generate_speculates_and_gives_mlx_lms_tokens(
     assert mlx_lms_batch(target).token_ids == want.token_ids and len(batch_calls) == 1
 
 
+def test_patched_batch_generate_speculates_with_logits_processors(target, batch_calls) -> None:
+    from mlx_lm.sample_utils import make_logits_processors
+
+    processors = make_logits_processors(logit_bias={101: 4.0}, repetition_penalty=1.3)
+    want = mlx_lms_batch(target, logits_processors=processors)
+    assert want.token_ids != mlx_lms_batch(target).token_ids  # the processors matter here
+    patch_mlx_lm(prompt_lookup=True)
+    try:
+        got = mlx_lms_batch(target, logits_processors=processors)
+    finally:
+        unpatch_mlx_lm()
+    assert got.token_ids == want.token_ids and len(batch_calls) == 1
+    assert batch_calls[0]["logits_processors"] == processors
+
+
 def test_patched_batch_generate_without_a_drafter_is_mlx_lms(target, patched, batch_calls) -> None:
     want = mlx_lms_batch(target)  # patched without prompt_lookup
     assert not batch_calls
@@ -610,11 +625,10 @@ def test_patched_batch_generate_without_a_drafter_is_mlx_lms(target, patched, ba
 @pytest.mark.parametrize(
     "options",
     [
-        {"logits_processors": [lambda tokens, logits: logits]},
         {"max_kv_size": 64},
         {"completion_batch_size": 2},  # three prompts: mlx-lm decodes them in turns
     ],
-    ids=["logits_processors", "max_kv_size", "completion_batch_size"],
+    ids=["max_kv_size", "completion_batch_size"],
 )
 def test_patched_batch_generate_runs_mlx_lms_own_for_what_batches_do_not_take(
     target, drafts, options, batch_calls
