@@ -1385,6 +1385,53 @@ def keep_rows(layer: BatchKVCache, fed: int, kept: list[int]) -> BatchKVCache:
     return _kept_by_rows(layer, fed, kept)
 
 
+# --- MLX's categorical draw ------------------------------------------------------------------
+
+
+def categorical_rows(scores: mx.array, keys: mx.array) -> mx.array:
+    """Each row of ``scores`` drawn, in one graph, as ``mx.random.categorical`` draws a
+    ``[1, V]`` row with that row's key, where :func:`rows_by_inverse_cdf` holds: the first token
+    whose cumulative ``exp(score - max)`` exceeds ``u`` times their sum, ``u`` the key's
+    uniform draw, all in float32.
+
+    Args:
+        scores (array): ``[n, V]`` float scores (log-probabilities, or a sampler's logits).
+        keys (array): ``[n, 2]`` uint32, each row's key.
+
+    Returns:
+        array: lazy ``[n]`` uint32 tokens.
+    """
+    u = mx.vmap(lambda key: mx.random.uniform(shape=(1,), key=key))(keys)
+    rows = scores.astype(mx.float32)
+    weights = mx.exp(rows - mx.max(rows, axis=-1, keepdims=True))
+    below = mx.cumsum(weights, axis=-1) < u * mx.sum(weights, axis=-1, keepdims=True)
+    return mx.sum(below, axis=-1).astype(mx.uint32)
+
+
+@cache
+def rows_by_inverse_cdf() -> bool:
+    """Whether :func:`categorical_rows` draws what ``mx.random.categorical`` draws row by row
+    on this MLX and device, for rows of three float types, masked tokens and ties (MLX 0.32
+    draws by inverse CDF; the Gumbel-max draw of earlier versions does not match, and a batch's
+    rows are then drawn one call each). Uses no global random state."""
+    try:
+        count, width = 6, 257
+        for i, dtype in enumerate((mx.float32, mx.bfloat16, mx.float16)):
+            rows = 4 * mx.random.normal((count, width), key=mx.random.key(100 + i))
+            masked = mx.random.uniform(shape=(count, width), key=mx.random.key(200 + i)) < 0.3
+            rows = mx.where(masked, -mx.inf, mx.round(rows) if i else rows).astype(dtype)
+            keys = mx.stack([mx.random.key(300 + 7 * i + j) for j in range(count)])
+            alone = [mx.random.categorical(rows[j : j + 1], key=keys[j]) for j in range(count)]
+            want = mx.concatenate(alone).astype(mx.uint32)
+            got = categorical_rows(rows, keys)
+            if not mx.array_equal(got, want).item():
+                raise AssertionError(f"{got.tolist()} drawn, not {want.tolist()}, for {dtype}")
+        return True
+    except Exception as error:
+        _lost("drawing a batch's rows in one graph as mx.random.categorical draws each", error)
+        return False
+
+
 # --- the report --------------------------------------------------------------------------------
 
 
@@ -1437,6 +1484,7 @@ def report() -> dict[str, bool]:
     return {
         "rotating caches trimmed in place": rotating_trims(),
         "batch cache rows taken back in place": batch_rows_kept(),
+        "a batch's rows drawn in one graph": rows_by_inverse_cdf(),
         "rotating caches that keep tokens verified in one call": rotating_masks(),
         "gated delta-net states kept": track(_tiny_delta_net()) == 1,
         "ArraysCache snapshots through state": snapshot(arrays)[0] == "state",

@@ -288,15 +288,21 @@ def _coupled_graph(sampler: Any) -> Callable[..., mx.array]:
     """``(logprobs [n, V], states [n, 2]) -> [n]`` uint32: each row drawn as mlx-lm's sampler
     draws a ``[1, V]`` row with the key its state hands out (compiled per thread)."""
 
+    together = _mlx_lm.rows_by_inverse_cdf()  # probed here, outside the traced function
+
     def coupled(logprobs: mx.array, states: mx.array) -> mx.array:
-        return _draw_rows(_scores(sampler, logprobs), states)
+        return _draw_rows(_scores(sampler, logprobs), states, together)
 
     return _compile_per_thread(coupled)
 
 
-def _draw_rows(scores: mx.array, states: mx.array) -> mx.array:
+def _draw_rows(scores: mx.array, states: mx.array, together: bool) -> mx.array:
     """``[n]`` uint32: each row of ``scores`` (``[n, V]``) drawn as ``mx.random.categorical``
-    draws a ``[1, V]`` row with the key that row's state (``states``: ``[n, 2]``) hands out."""
+    draws a ``[1, V]`` row with the key that row's state (``states``: ``[n, 2]``) hands out:
+    all rows in one graph where ``together`` (:func:`mlx_spec._mlx_lm.rows_by_inverse_cdf`),
+    else one draw a row."""
+    if together and scores.shape[0] > 1:
+        return _mlx_lm.categorical_rows(scores, mx.vmap(_draw_key)(states))
     tokens = [
         mx.random.categorical(scores[i : i + 1], key=_draw_key(states[i]))
         for i in range(scores.shape[0])
@@ -309,9 +315,11 @@ def _coupled_step_graph(sampler: Any) -> Callable[..., tuple[mx.array, mx.array,
     """``(logits [k, V], states [k, 2]) -> (tokens, fed, logprobs)``: a plain step's draws (see
     :meth:`Rule.step`), compiled per thread."""
 
+    together = _mlx_lm.rows_by_inverse_cdf()  # probed here, outside the traced function
+
     def step(logits: mx.array, states: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         logprobs = _logprobs(logits)
-        drawn = _draw_rows(_scores(sampler, logprobs), states)
+        drawn = _draw_rows(_scores(sampler, logprobs), states, together)
         token = mx.where(_undecided(logprobs), INVALID_ROW, drawn)
         return token, mx.minimum(token, logits.shape[-1] - 1), logprobs
 

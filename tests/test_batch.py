@@ -295,6 +295,44 @@ def test_the_in_place_probe_holds_on_this_mlx_lm():
     assert _mlx_lm.report()["batch cache rows taken back in place"]
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("width", [2, 37, 4096, 151936])
+def test_a_batchs_rows_drawn_in_one_graph_are_mlx_s_categorical_draws(dtype, width):
+    # 24 rows a case (12 with a third of their tokens masked, half of them rounded to ties),
+    # each against mx.random.categorical of that row alone with its key: every token equal.
+    count = 24
+    rows = 5 * mx.random.normal((count, width), key=mx.random.key(width))
+    masked = mx.random.uniform(shape=(count, width), key=mx.random.key(width + 1)) < 0.33
+    rows = mx.where(mx.arange(count)[:, None] % 2 == 1, mx.where(masked, -mx.inf, rows), rows)
+    rows = mx.where(mx.arange(count)[:, None] % 4 == 3, mx.round(rows), rows).astype(dtype)
+    rows = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+    keys = mx.stack([mx.random.key(7 * width + i) for i in range(count)])
+    alone = [mx.random.categorical(rows[i : i + 1], key=keys[i]) for i in range(count)]
+    assert _mlx_lm.categorical_rows(rows, keys).tolist() == mx.concatenate(alone).tolist()
+
+
+def test_the_one_graph_probe_holds_leaves_the_global_state_and_fails_on_other_draws(monkeypatch):
+    state = mx.random.state[0].tolist()
+    _mlx_lm.rows_by_inverse_cdf.cache_clear()
+    try:
+        assert _mlx_lm.rows_by_inverse_cdf() and mx.random.state[0].tolist() == state
+
+        # A categorical drawing otherwise (the Gumbel-max draw of earlier MLX versions): the
+        # probe fails, warns, and rows are drawn one call each.
+        def gumbel_max(logits, key):
+            noise = mx.random.gumbel(shape=logits.shape, key=key)
+            return mx.argmax(logits.astype(mx.float32) + noise, axis=-1)
+
+        monkeypatch.setattr(mx.random, "categorical", gumbel_max)
+        monkeypatch.setattr(_mlx_lm, "_warned", set())
+        _mlx_lm.rows_by_inverse_cdf.cache_clear()
+        with pytest.warns(RuntimeWarning, match="drawing a batch's rows in one graph"):
+            assert not _mlx_lm.rows_by_inverse_cdf()
+    finally:
+        monkeypatch.undo()
+        _mlx_lm.rows_by_inverse_cdf.cache_clear()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
