@@ -44,7 +44,6 @@
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
 from collections.abc import Callable, Generator
@@ -56,6 +55,7 @@ from mlx_lm.generate import GenerationResponse
 
 from . import _mlx_lm, batch, generation, mtp_convert, serving
 from ._mlx_lm import lm
+from .batch_length import BatchAdaptive
 from .mtp import head_of
 from .sampling import make_sampler
 
@@ -161,7 +161,25 @@ def _server_batches(model: Any, draft_model: Any) -> Callable[..., Any] | None:
     except ValueError:
         return None
     drafter = None if draft_model is not None else "prompt-lookup"
-    return functools.partial(serving.ServerBatchGenerator, draft_model=draft_model, drafter=drafter)
+    # One draft-length policy per loaded model and --num-draft-tokens, kept by every generator
+    # the server makes for it: the server makes a new one after each drain (a request that does
+    # not batch, a seeded one), and the costs measured at each batch size still hold.
+    policies: dict[int, BatchAdaptive] = {}
+
+    def make(model: Any, *, num_draft_tokens: int = 3, **kwargs: Any) -> Any:
+        policy = None
+        if num_draft_tokens:
+            policy = policies.setdefault(num_draft_tokens, BatchAdaptive(num_draft_tokens))
+        return serving.ServerBatchGenerator(
+            model,
+            draft_model=draft_model,
+            drafter=drafter,
+            num_draft_tokens=num_draft_tokens,
+            policy=policy,
+            **kwargs,
+        )
+
+    return make
 
 
 def _stream_generate(*args: Any, **kwargs: Any) -> Generator[GenerationResponse, None, None]:

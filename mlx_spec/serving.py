@@ -24,6 +24,7 @@ from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.models.cache import make_prompt_cache
 
 from .batch import SpeculativeBatchGenerator, held_tokens
+from .batch_length import BatchAdaptive
 from .drafters import PromptLookupDrafter
 
 __all__ = ["ServerBatchGenerator"]
@@ -46,6 +47,8 @@ class ServerBatchGenerator:
         drafter (str or PromptLookupDrafter, optional): ``"prompt-lookup"``.
         num_draft_tokens (int): the most draft tokens a round, the server's
             ``--num-draft-tokens``. Default: ``3``.
+        policy (BatchAdaptive, optional): the adaptive draft-length policy, to keep what it
+            measured across the generators the server makes for one model. Default: a new one.
         completion_batch_size (int): the most requests decoded at once. Default: ``32``.
         prefill_batch_size (int): the most requests prefilled together. Default: ``8``.
         prefill_step_size (int): prompt tokens per prefill call. Default: ``2048``.
@@ -63,6 +66,7 @@ class ServerBatchGenerator:
         draft_model: nn.Module | None = None,
         drafter: str | PromptLookupDrafter | None = None,
         num_draft_tokens: int = 3,
+        policy: BatchAdaptive | None = None,
         completion_batch_size: int = 32,
         prefill_batch_size: int = 8,
         prefill_step_size: int = 2048,
@@ -73,6 +77,7 @@ class ServerBatchGenerator:
             draft_model=draft_model,
             drafter=drafter,
             num_draft_tokens=num_draft_tokens,
+            policy=policy,
             completion_batch_size=completion_batch_size,
             prefill_batch_size=prefill_batch_size,
             prefill_step_size=prefill_step_size,

@@ -23,6 +23,7 @@ import mlx_spec.batch as spec_batch
 import mlx_spec.generation as spec_generation
 from mlx_spec import _mlx_lm, loop, mtp_convert
 from mlx_spec._mlx_lm import lm
+from mlx_spec.batch_length import BatchAdaptive
 from mlx_spec.drafters import PromptLookupDrafter
 from mlx_spec.generation import (
     SpeculativeResponse,
@@ -703,6 +704,12 @@ def test_patched_server_batches_speculative_requests(draft) -> None:
             server_request(logit_bias={1: 2.0}, repetition_penalty=1.1, num_draft_tokens=1)
         )
         assert len(made) == 2 and all(callable(f) for f in made) and made.num_draft_tokens == 1
+        # The generators made for one loaded model (one after each drain) share one policy,
+        # and so what it measured at each batch size.
+        again = server.BatchGenerator(provider.model, **options)
+        assert again is not generator
+        assert again.generator.policy is generator.generator.policy is not None
+        assert isinstance(generator.generator.policy, BatchAdaptive)
         # A server split over processes keeps serving them one at a time.
         split = SimpleNamespace(model_provider=provider, cli_args=args, _is_distributed=True)
         assert not server.ResponseGenerator._is_batchable(split, server_request())
@@ -711,6 +718,7 @@ def test_patched_server_batches_speculative_requests(draft) -> None:
         args.num_draft_tokens = 0
         none_provider, none_generator = serving()
         assert none_generator.generator.num_draft_tokens == 0
+        assert none_generator.generator.policy is None
         assert not batchable(none_provider, num_draft_tokens=1)
         assert batchable(none_provider, num_draft_tokens=0)
         args.num_draft_tokens = 4
