@@ -20,16 +20,13 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import PromptProcessingBatch
 from mlx_lm.models.cache import make_prompt_cache
 
-from .batch import SpeculativeBatchGenerator, held_tokens
+from .batch import PromptResponse, SpeculativeBatchGenerator, held_tokens
 from .batch_length import BatchAdaptive
 from .drafters import PromptLookupDrafter
 
 __all__ = ["ServerBatchGenerator"]
-
-PromptResponse = PromptProcessingBatch.Response
 
 
 class ServerBatchGenerator:
