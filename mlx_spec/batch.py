@@ -867,6 +867,7 @@ def batch_generate(
     return_token_ids: bool = False,
     return_logprobs: bool = False,
     logits_processors: Sequence[Any] | None = None,
+    completion_batch_size: int | None = None,
 ) -> BatchResponse:
     """Speculative decoding of many prompts at once: a drop-in for ``mlx_lm.batch_generate``.
 
@@ -921,6 +922,10 @@ def batch_generate(
             as ``mlx_lm.sample_utils.make_logits_processors`` makes them) applied to every
             sequence's target logits at every position, as mlx-lm's ``BatchGenerator`` applies
             its ``logits_processors``. Default: none.
+        completion_batch_size (int, optional): the most sequences decoded at once, ``>= 1``:
+            with more prompts, the others join as sequences finish
+            (:class:`SpeculativeBatchGenerator`, their prefill then counted in the decoding
+            time), as mlx-lm's ``BatchGenerator`` decodes them in turns. Default: all at once.
 
     Returns:
         BatchResponse: mlx-lm's, in the order of ``prompts``: ``texts``, ``stats`` (rounds
@@ -967,25 +972,32 @@ def batch_generate(
         raise ValueError(
             f"{op}: `logits_processors` must be a list of callables, got {logits_processors!r}"
         )
+    if completion_batch_size is not None:
+        check_int(op, "completion_batch_size", completion_batch_size, 1)
     chosen = _check_keys(op, keys, rules)
     stats = BatchStats()
     start = time.perf_counter()
+    eos = list(tokenizer.eos_token_ids)
     with mx.stream(_mlx_lm.lm.generation_stream):
-        batch = SpeculativeBatch(
-            model,
-            ids,
-            lengths,
-            most,
-            list(tokenizer.eos_token_ids),
-            samplers,
-            chosen,
-            draft_model=draft_model,
-            drafter=copied,
-            prefill_step_size=prefill_step_size,
-            return_prompt_caches=return_prompt_caches,
-            policy=policy if adaptive else None,
-            logits_processors=[processors] * len(ids),
-        )
+        batch: SpeculativeBatch | SpeculativeBatchGenerator
+        if completion_batch_size is None or completion_batch_size >= len(ids):
+            batch = SpeculativeBatch(
+                model, ids, lengths, most, eos, samplers, chosen,
+                draft_model=draft_model, drafter=copied, prefill_step_size=prefill_step_size,
+                return_prompt_caches=return_prompt_caches, policy=policy if adaptive else None,
+                logits_processors=[processors] * len(ids),
+            )  # fmt: skip
+        else:
+            batch = SpeculativeBatchGenerator(
+                model, draft_model=draft_model, drafter=copied, num_draft_tokens=max(lengths),
+                adaptive=adaptive, policy=policy if adaptive else None, eos_token_ids=eos,
+                completion_batch_size=completion_batch_size, prefill_step_size=prefill_step_size,
+                return_prompt_caches=return_prompt_caches,
+            )  # fmt: skip
+            batch.insert(
+                ids, most, samplers, chosen,
+                draft_lengths=lengths, logits_processors=[processors] * len(ids),
+            )  # fmt: skip
         stats.prompt_tokens = sum(len(p) for p in ids)
         stats.prompt_time = time.perf_counter() - start
         results = _run(batch, stats)
@@ -1013,7 +1025,9 @@ def batch_generate(
     )
 
 
-def _run(batch: SpeculativeBatch, stats: BatchStats) -> list[list[Response]]:
+def _run(
+    batch: SpeculativeBatch | SpeculativeBatchGenerator, stats: BatchStats
+) -> list[list[Response]]:
     """Runs ``batch`` to its end: each sequence's responses, by uid."""
     results: list[list[Response]] = [[] for _ in range(len(batch))]
     while len(batch):

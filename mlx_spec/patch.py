@@ -78,8 +78,8 @@ _GENERATE_MODULES = ("mlx_lm.generate", "mlx_lm")
 # BatchGenerator's options that mlx-spec's batches take as they are, and those they can ignore:
 # how many prompts prefill together changes no token, and a batch of at most
 # completion_batch_size prompts decodes together in mlx-lm too (more are refused).
-_BATCH_OPTIONS = ("sampler", "prefill_step_size", "logits_processors")
-_BATCH_IGNORED = ("prefill_batch_size", "completion_batch_size")
+_BATCH_OPTIONS = ("sampler", "prefill_step_size", "logits_processors", "completion_batch_size")
+_BATCH_IGNORED = ("prefill_batch_size",)
 
 # How the patched stream_generate drafts when it has no draft model: with the model's MTP head,
 # by prompt lookup, or not at all (see _default_drafter).
@@ -234,9 +234,8 @@ def _batch_generate(*args: Any, **kwargs: Any) -> Any:
     With a draft model, or without one and with ``prompt_lookup=True``, the prompts decode in
     mlx-spec's batches (:func:`mlx_spec.batch.batch_generate`). mlx-lm's own runs instead where
     the call needs what those do not take yet: ``prompt_caches``, ``max_kv_size``, a
-    ``stream``, more prompts than ``completion_batch_size`` (mlx-lm would
-    decode them in turns), or a model whose caches do not batch (sliding windows, recurrent
-    layers). Where a draft model was given, such a call raises instead, naming the option.
+    ``stream``, or a model whose caches do not batch (sliding windows, recurrent layers). Where
+    a draft model was given, such a call raises instead, naming the option.
     """
     draft_model = kwargs.pop("draft_model", None)
     num_draft_tokens = kwargs.pop("num_draft_tokens", 3)
@@ -251,8 +250,6 @@ def _batch_generate(*args: Any, **kwargs: Any) -> Any:
         for name, value in options.items()
         if value is not None and name not in _BATCH_OPTIONS + _BATCH_IGNORED
     ]
-    if len(arguments["prompts"]) > options.get("completion_batch_size", len(arguments["prompts"])):
-        refused.append("completion_batch_size")
     try:
         batch._check_batchable("mlx_lm.batch_generate", "model", arguments["model"])
     except ValueError:

@@ -351,6 +351,7 @@ def test_the_one_graph_probe_holds_leaves_the_global_state_and_fails_on_other_dr
         ({"sampler": SAMPLERS[0], "keys": [mx.random.key(1), mx.array([1, 2])]}, "`keys[1]`"),
         ({"acceptance": "residual"}, "`acceptance`"),
         ({"logits_processors": [None]}, "`logits_processors`"),
+        ({"completion_batch_size": 0}, "`completion_batch_size`"),
         ({"prefill_step_size": 0}, "`prefill_step_size`"),
         ({"return_token_ids": 1}, "`return_token_ids`"),
         ({"adaptive": 1}, "`adaptive`"),
@@ -545,3 +546,36 @@ def test_rows_with_logits_processors_give_mlx_lms_tokens(drafter, lengths):
         for r in mine.next():
             got[r.uid].append(r.token)
     assert got == want
+
+
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "draft-model"])
+def test_batch_generate_decodes_in_turns_under_completion_batch_size(
+    tokenizer, drafter, monkeypatch
+):
+    # Four prompts, at most two decoding at once: the others join as sequences finish, and
+    # every sequence gives its tokens of all four at once.
+    model = tiny_llama(0)
+    lookup = drafter == "prompt-lookup"
+    drafting = {"drafter": drafter} if lookup else {"draft_model": cut(model, 1)}
+    whole = mlx_spec.batch_generate(
+        model, tokenizer, PROMPTS, max_tokens=12, return_token_ids=True, **drafting
+    )
+    most = []
+    step = mlx_spec.SpeculativeBatchGenerator.next_with_prompts
+
+    def counted(self):
+        most.append(len(self.running))
+        return step(self)
+
+    monkeypatch.setattr(mlx_spec.SpeculativeBatchGenerator, "next_with_prompts", counted)
+    turns = mlx_spec.batch_generate(
+        model,
+        tokenizer,
+        PROMPTS,
+        max_tokens=12,
+        return_token_ids=True,
+        completion_batch_size=2,
+        **drafting,
+    )
+    assert turns.token_ids == whole.token_ids
+    assert max(most) == 2 and len(most) > 12

@@ -616,6 +616,18 @@ def test_patched_batch_generate_speculates_with_logits_processors(target, batch_
     assert batch_calls[0]["logits_processors"] == processors
 
 
+def test_patched_batch_generate_decodes_in_turns_as_mlx_lm_does(target, batch_calls) -> None:
+    # Three prompts, two at a time: the third joins when one finishes.
+    want = mlx_lms_batch(target, completion_batch_size=2)
+    patch_mlx_lm(prompt_lookup=True)
+    try:
+        got = mlx_lms_batch(target, completion_batch_size=2)
+    finally:
+        unpatch_mlx_lm()
+    assert got.token_ids == want.token_ids and len(batch_calls) == 1
+    assert batch_calls[0]["completion_batch_size"] == 2
+
+
 def test_patched_batch_generate_without_a_drafter_is_mlx_lms(target, patched, batch_calls) -> None:
     want = mlx_lms_batch(target)  # patched without prompt_lookup
     assert not batch_calls
@@ -627,9 +639,8 @@ def test_patched_batch_generate_without_a_drafter_is_mlx_lms(target, patched, ba
     "options",
     [
         {"max_kv_size": 64},
-        {"completion_batch_size": 2},  # three prompts: mlx-lm decodes them in turns
     ],
-    ids=["max_kv_size", "completion_batch_size"],
+    ids=["max_kv_size"],
 )
 def test_patched_batch_generate_runs_mlx_lms_own_for_what_batches_do_not_take(
     target, drafts, options, batch_calls
