@@ -441,7 +441,7 @@ class SpeculativeBatch:
             if not s.processors:
                 rows.append(logits[i])
                 continue
-            context = mx.array(s.text.ids(0), dtype=mx.uint32)
+            context = s.text.array()
             if fed is not None:
                 context = mx.concatenate([context, fed[i : i + 1]])
             own = min(drafts.shape[1], s.cap) + 1 if drafts is not None else 1
@@ -1066,8 +1066,7 @@ class _Joining:
     def chunk(self, step: int) -> list[int]:
         """Its next prompt tokens to prefill: up to ``step``, never past a segment's end nor
         into the prompt's last token (the first round feeds it)."""
-        stop = min(self.done + step, self.ends[0] if self.ends else len(self.prompt) - 1)
-        return self.prompt[self.done : min(stop, len(self.prompt) - 1)]
+        return self.prompt[self.done : min(self.done + step, len(self.prompt) - 1, *self.ends[:1])]
 
     def response(self, *, joins: bool = False) -> PromptResponse:
         """Its progress, as mlx-lm's ``PromptProcessingBatch.Response``: after a chunk (the
@@ -1104,10 +1103,7 @@ class _Prefill:
             started = entry[6]
             held = started[0].offset if started is not None else 0
             row = _Joining(entry, held, [e for e in entry[8] if e > held])
-            own = started if started is not None else []
-            if started is None:
-                for model in self.models:
-                    own += make_prompt_cache(model)
+            own = started or [c for model in self.models for c in make_prompt_cache(model)]
             if held == len(row.prompt) - 1:
                 done.append((row, own))
                 continue
@@ -1435,11 +1431,12 @@ class SpeculativeBatchGenerator:
             dict: uid to ``(caches, tokens)``: its caches alone (the target's layers, then the
             draft model's), holding the ``int`` tokens ``tokens``.
         """
+        wanted = set(uids)
         with mx.stream(self.stream):
             return {
                 row.entry[0]: (self._prefill.caches(i), row.prompt[: row.done])
                 for i, row in enumerate(self._prefill.rows)
-                if row.entry[0] in set(uids)
+                if row.entry[0] in wanted
             }
 
     def remove(self, uids: Sequence[int], return_prompt_caches: bool = False) -> dict[int, Any]:

@@ -22,7 +22,7 @@ from .draft_length import (
     _expected,
     _fastest,
     _Meter,
-    _patience,
+    _or_test,
 )
 
 __all__ = ["BatchAdaptive"]
@@ -92,10 +92,7 @@ class BatchAdaptive:
         # [B, top + 1]: each row's E(min(N, cap)) for N = 0 .. top, summed over the rows.
         expected = _expected(rates[:, None], top)
         tokens = np.take_along_axis(expected, np.minimum(np.arange(top + 1), caps[:, None]), 1)
-        n = _fastest(tokens.sum(axis=0), calibration)
-        if n == 0 and self._untested >= _patience(calibration, top):
-            return top
-        return n
+        return _or_test(_fastest(tokens.sum(axis=0), calibration), self._untested, calibration, top)
 
     def observe(self, rows: int, outcome: Outcome) -> None:
         """Learns the timed ``outcome`` of a round (``drafted``: its ``N``) or plain step

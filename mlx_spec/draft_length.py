@@ -160,11 +160,13 @@ def _fastest(tokens: np.ndarray, calibration: Calibration, pending: int = 1) -> 
     return int(np.argmax(tokens / np.maximum(costs, 1e-12)))
 
 
-def _patience(calibration: Calibration, top: int, pending: int = 1) -> int:
-    """The plain steps without a tested draft after which a round of ``top`` tokens is tested
-    (:data:`EXPLORE`)."""
+def _or_test(n: int, untested: int, calibration: Calibration, top: int, pending: int = 1) -> int:
+    """``n``, or ``top`` where ``n`` is a plain step and a test round is due: the ``untested``
+    plain steps since a draft token was last tested have cost :data:`EXPLORE` times what a
+    round of ``top`` tokens costs over a plain step."""
     extra = float(calibration.cost(top, pending)) - calibration.plain
-    return max(1, math.ceil(EXPLORE * extra / max(calibration.plain, 1e-12)))
+    patience = max(1, math.ceil(EXPLORE * extra / max(calibration.plain, 1e-12)))
+    return top if n == 0 and untested >= patience else n
 
 
 class _Meter:
@@ -250,9 +252,7 @@ class Adaptive:
         if self.calibration is None:
             return self._meter.length(top)
         n = _fastest(_expected(self.acceptance(round.label), top), self.calibration, round.pending)
-        if n == 0 and self._untested >= _patience(self.calibration, top, round.pending):
-            return top
-        return n
+        return _or_test(n, self._untested, self.calibration, top, round.pending)
 
     def observe(self, outcome: Outcome) -> None:
         self._untested = 0 if outcome.drafted else self._untested + outcome.plain

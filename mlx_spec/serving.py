@@ -137,8 +137,14 @@ class ServerBatchGenerator:
         ]
         # The end of each segment but the last, as a prompt length (empty segments end none).
         ends = [
-            sorted(set(accumulate((len(part) for part in parts[:-1]), initial=len(before))))
-            for before, parts in zip(held, segments, strict=True)
+            sorted(
+                {
+                    end
+                    for end in accumulate(map(len, parts[:-1]), initial=len(before))
+                    if len(before) < end < len(p)
+                }
+            )
+            for before, parts, p in zip(held, segments, prompts, strict=True)
         ]
         return self.generator.insert(
             prompts,
@@ -147,9 +153,7 @@ class ServerBatchGenerator:
             draft_lengths=lengths,
             prompt_caches=started,
             stop_sequences=stop_sequences,
-            segment_ends=[
-                [e for e in these if 0 < e < len(p)] for these, p in zip(ends, prompts, strict=True)
-            ],
+            segment_ends=ends,
             logits_processors=[list(these) for these in processors],
         )
 
