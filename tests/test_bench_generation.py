@@ -190,9 +190,13 @@ def test_plain_steps_of_a_batch(capsys):
     assert "batch 3, 6 tokens a sequence" in out
     (row,) = markdown_table(out, "pair")
     assert (row["pair"], row["temp"]) == ("host", "0.8")
+    plain = float(row["plain"])
     for method in ("stretch", "lookup"):
         ms = float(row[method])
         assert ms > 0 and float(row[f"plain / {method}"].rstrip("x")) > 0
+        # Milliseconds printed to 3 decimals, the ratio to 2.
+        slack = 0.005 + (plain / ms) * (0.0005 / plain + 0.0005 / ms)
+        assert abs(float(row[f"plain / {method}"].rstrip("x")) - plain / ms) <= slack
     with pytest.raises(SystemExit):
         benchmark("plain_steps").main(["--batch", "0"])
 
