@@ -10,7 +10,8 @@ own draft length, which may be 0. A round then makes:
 2. the decision for every row at once, as one lazy graph (:func:`decide`);
 3. one host read of the decisions and the drafts;
 4. per-row rollback: each row of the batch caches is taken back to its own kept length
-   (:func:`mlx_spec._mlx_lm.keep_rows`).
+   (:class:`mlx_spec.batch_caches.BatchCaches`: attention layers drop their newest entries, the
+   gated delta-net layers of hybrids take the states the call kept after each position).
 
 A row emits its kept drafts and the target's token after them, cut at an EOS or at its
 ``max_tokens`` as mlx-lm cuts it. Each sequence has its own sampler, and with it its own rule
@@ -38,11 +39,12 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.generate import BatchResponse, GenerationBatch, PromptProcessingBatch
 from mlx_lm.generate_utils import BatchStats
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from . import _mlx_lm
 from ._checks import check_callable, check_int, check_key, device_type, is_int
 from .acceptance import INVALID_ROW, _argmax_rows, _compile_per_thread, _matching, check_next
+from .batch_caches import BatchCaches, cache_kinds, check_batchable, held, held_tokens
 from .batch_length import BatchAdaptive
 from .draft_length import MAX_DRAFT_TOKENS, Adaptive, Outcome, Round
 from .drafters import Drafter, DraftSetup, PromptLookupDrafter
@@ -220,25 +222,12 @@ def _prefill(
     ``BatchGenerator`` fills them (right padded, then each row moved behind left padding), each
     row from its ``started`` caches where given (which hold the prompt's first tokens)."""
     caches = [c if c is not None else make_prompt_cache(model) for c in started]
-    held = [c[0].offset if c else 0 for c in caches]
+    done = [held(c) if c else 0 for c in caches]
     batch = PromptProcessingBatch(model, list(range(len(prompts))), caches, prefill_step_size=step)
-    rows = [p[h:-1] for p, h in zip(prompts, held, strict=True)]
+    rows = [p[h:-1] for p, h in zip(prompts, done, strict=True)]
     if any(rows):
         batch.prompt(rows)
     return batch.prompt_cache
-
-
-def held_tokens(caches: object, layers: int, prompt_length: int) -> int | None:
-    """The tokens ``caches`` hold, where a batch can start a prompt of ``prompt_length`` tokens
-    from them: a list of ``layers`` ``KVCache`` all holding the same number, less than the
-    prompt's; else ``None``."""
-    if not isinstance(caches, list) or len(caches) != layers:
-        return None
-    if not all(type(c) is KVCache for c in caches):
-        return None
-    offsets = {c.offset for c in caches}
-    held = offsets.pop() if len(offsets) == 1 else None
-    return held if held is not None and held < prompt_length else None
 
 
 def _split_started(
@@ -250,14 +239,14 @@ def _split_started(
 ) -> tuple[list[list[Any] | None], list[list[Any] | None]]:
     """Each row's caches to start from split into the target's layers and the draft model's,
     after checking them (:func:`held_tokens`)."""
-    layers = len(make_prompt_cache(model))
-    drafts = len(make_prompt_cache(draft_model)) if draft_model is not None else 0
+    kinds = cache_kinds(model, draft_model)
+    layers = len(cache_kinds(model))
     for i, (caches, prompt) in enumerate(zip(started, prompts, strict=True)):
-        if caches is not None and held_tokens(caches, layers + drafts, len(prompt)) is None:
+        if caches is not None and held_tokens(caches, kinds, len(prompt)) is None:
             raise ValueError(
-                f"{op}: `prompt_caches[{i}]` must be None or {layers + drafts} KVCache layers "
-                f"(the target's, then the draft model's) holding one length, less than its "
-                f"prompt's {len(prompt)} tokens"
+                f"{op}: `prompt_caches[{i}]` must be None or caches of "
+                f"{[kind.__name__ for kind in kinds]} (the target's, then the draft model's) "
+                f"holding one length, less than its prompt's {len(prompt)} tokens"
             )
     return (
         [c[:layers] if c is not None else None for c in started],
@@ -271,7 +260,9 @@ class SpeculativeBatch:
     ``GenerationBatch.Response``.
 
     Args:
-        model (nn.Module): the target model; its caches must batch as ``BatchKVCache``.
+        model (nn.Module): the target model; its caches must batch
+            (:func:`mlx_spec.batch_caches.check_batchable`: ``KVCache`` layers, and the gated
+            delta-net layers of hybrids).
         prompts (list of list of int): each sequence's prompt, non-empty.
         draft_lengths (list of int): each sequence's most draft tokens a round, ``>= 0``.
         max_tokens (list of int): each sequence's tokens to emit, ``>= 1``.
@@ -292,7 +283,7 @@ class SpeculativeBatch:
         uids (list of int, optional): each sequence's id in responses. Default: ``0 .. B - 1``.
         prompt_caches (list, optional): for each sequence ``None`` or the caches to start it
             from, as :attr:`mlx_lm.generate.GenerationBatch.Response.prompt_cache` gives them:
-            ``KVCache`` layers of the target, then of the draft model, all holding the
+            caches of the target's layers, then of the draft model's, all holding the
             prompt's first tokens (fewer than all). Default: none.
         stop_sequences (list, optional): for each sequence mlx-lm's ``StopSequences``, whose
             match ends it (finish reason ``"stop"``) instead of ``eos_token_ids``. Default: none.
@@ -351,11 +342,13 @@ class SpeculativeBatch:
         # A sampler that exposes no distribution is called with mx.random's global state set
         # to each position's (as single-sequence generation calls it); a round puts it back.
         self._seeds = any(rule.seeds for rule in rules)
-        self.cache = _prefill(model, prompts, prefill_step_size, started)
+        self.cache = BatchCaches(model, _prefill(model, prompts, prefill_step_size, started))
         self.draft_cache = (
-            _prefill(draft_model, prompts, prefill_step_size, started_drafts)
+            BatchCaches(
+                draft_model, _prefill(draft_model, prompts, prefill_step_size, started_drafts)
+            )
             if draft_model is not None
-            else []
+            else None
         )
         self.rounds = 0
         # The plain step started and not yet read, whether another follows it, and the time of
@@ -399,7 +392,7 @@ class SpeculativeBatch:
         lags = [s.lag for s in self.sequences]
         width = max(lags) + 1
         rows = [s.text.ids(len(s.text) - s.lag - 1) for s in self.sequences]
-        logits = self.draft_model(_padded(rows, width, 0), cache=self.draft_cache)
+        logits = self.draft_cache(_padded(rows, width, 0), undoable=True)
         at = mx.array(lags)[:, None, None]
         rules = [s.rule for s in self.sequences]
         states = [s.states(n, draft=True) for s in self.sequences]
@@ -409,13 +402,11 @@ class SpeculativeBatch:
             return choices(last, rules, at_j, draft=True)[0][:, 0]
 
         tokens = [draw(mx.take_along_axis(logits, at, axis=1), 0)]
-        self.draft_cache[:] = [
-            _mlx_lm.keep_rows(layer, width, [lag + 1 for lag in lags]) for layer in self.draft_cache
-        ]
+        self.draft_cache.keep(width, [lag + 1 for lag in lags])
         for s in self.sequences:
             s.lag = 0
         for j in range(1, n):
-            logits = self.draft_model(tokens[-1][:, None], cache=self.draft_cache)
+            logits = self.draft_cache(tokens[-1][:, None], undoable=True)
             tokens.append(draw(logits[:, -1:], j))
         return mx.stack(tokens, axis=1).astype(mx.uint32)
 
@@ -511,12 +502,9 @@ class SpeculativeBatch:
             raise ValueError("SpeculativeBatch.extend: a plain step is in flight; settle first")
         self.sequences += other.sequences
         self._seeds = self._seeds or other._seeds
-        for mine, theirs in ((self.cache, other.cache), (self.draft_cache, other.draft_cache)):
-            if not mine:
-                mine[:] = theirs
-            else:
-                for layer, joining in zip(mine, theirs, strict=True):
-                    layer.extend(joining)
+        self.cache.extend(other.cache)
+        if self.draft_cache is not None:
+            self.draft_cache.extend(other.draft_cache)
 
     def remove(self, uids: Sequence[int], return_prompt_caches: bool = False) -> dict[int, Any]:
         """Takes sequences ``uids`` out of the batch.
@@ -548,7 +536,7 @@ class SpeculativeBatch:
         the lazy ``[B]`` uint32 tokens (:data:`mlx_spec.INVALID_ROW` where a row cannot decide),
         the ``[B]`` ids to feed next and the ``[B, V]`` log-probabilities."""
         saved = mx.random.state[0] if self._seeds else None
-        logits = self._processed(self.model(fed[:, None], cache=self.cache), fed if ahead else None)
+        logits = self._processed(self.cache(fed[:, None]), fed if ahead else None)
         logits = logits[:, 0]
         rules = [s.rule for s in self.sequences]
         states = [s.states(0, draft=False, ahead=ahead) for s in self.sequences]
@@ -603,7 +591,7 @@ class SpeculativeBatch:
         start = time.perf_counter()
         saved = mx.random.state[0] if self._seeds else None
         drafts = self._proposals(n)
-        logits = self._processed(self.model(self._inputs(drafts), cache=self.cache), drafts=drafts)
+        logits = self._processed(self.cache(self._inputs(drafts), undoable=True), drafts=drafts)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         decided = self._decide(logits, drafts)
         read = np.array(mx.concatenate([decided, drafts], axis=1))
@@ -615,19 +603,20 @@ class SpeculativeBatch:
             accepted, token, _ = (int(x) for x in read[i, :3])
             check_next("mlx_spec.batch_generate", token, (i,))
             emitted = [int(x) for x in read[i, 3 : 3 + accepted]] + [token]
-            kept.append(accepted + 1)
-            responses.extend(self._emit(s, emitted, logprobs[i]))
+            own = self._emit(s, emitted, logprobs[i])
+            # The caches keep the positions of the tokens its text took (all of them, unless it
+            # ended inside the round): its last token and the drafts before the next one.
+            kept.append(len(own))
+            responses.extend(own)
             if s.drafter is not None:
                 s.drafter.update(s.text, accepted)
             if self.draft_model is not None:
                 s.lag += accepted + 1 - min(accepted + 1, n)
             if s.estimate is not None:
                 s.estimate.observe(Outcome(min(n, s.cap), accepted, s.label))
-        self.cache[:] = [_mlx_lm.keep_rows(layer, n + 1, kept) for layer in self.cache]
-        if self.draft_model is not None:
-            self.draft_cache[:] = [
-                _mlx_lm.keep_rows(layer, n, [min(k, n) for k in kept]) for layer in self.draft_cache
-            ]
+        self.cache.keep(n + 1, kept)
+        if self.draft_cache is not None:
+            self.draft_cache.keep(n, [min(k, n) for k in kept])
         if self.policy is not None:
             seconds = time.perf_counter() - start
             self.policy.observe(len(self.sequences), Outcome(n, 0, seconds=seconds))
@@ -660,21 +649,18 @@ class SpeculativeBatch:
 
     def _final_cache(self, uid: int) -> list[Any]:
         """The caches of sequence ``uid`` alone (the target's, then the draft model's), holding
-        its prompt and every token it emitted: the tokens a round leaves unfed are fed here,
-        those a stop sequence cut off taken back."""
+        its prompt and every token it emitted: the tokens a round leaves unfed (the caches never
+        hold more than the text) are fed here."""
         i = next(i for i, s in enumerate(self.sequences) if s.uid == uid)
         s = self.sequences[i]
         final = []
-        for model, batched in ((self.model, self.cache), (self.draft_model, self.draft_cache)):
-            if not batched:
+        for batched in (self.cache, self.draft_cache):
+            if batched is None:
                 continue
-            caches = [layer.extract(i) for layer in batched]
-            missing = len(s.text) - caches[0].offset
+            caches = batched.extract(i)
+            missing = len(s.text) - held(caches)
             if missing > 0:
-                model(mx.array([s.text.ids(len(s.text) - missing)]), cache=caches)
-            elif missing < 0:
-                for layer in caches:
-                    layer.trim(-missing)
+                batched.model(mx.array([s.text.ids(len(s.text) - missing)]), cache=caches)
             final += caches
         return final
 
@@ -689,10 +675,8 @@ class SpeculativeBatch:
             rows = mx.array(keep, dtype=mx.int32)
             self._ahead = tuple(part[rows] for part in self._ahead) if keep else None
         for caches in (self.cache, self.draft_cache):
-            if not keep:
-                caches.clear()
-            for layer in caches:
-                layer.filter(keep)
+            if caches is not None:
+                caches.filter(keep)
 
 
 def _sequence(
@@ -777,19 +761,6 @@ def _check_prompts(op: str, prompts: object, vocab: int | None) -> list[list[int
     return [[int(t) for t in prompt] for prompt in prompts]
 
 
-def _check_batchable(op: str, name: str, model: object) -> None:
-    """Refuses a model whose caches do not batch as ``BatchKVCache`` (rotating windows, the
-    recurrent layers of hybrids): taking their rows back is not written yet."""
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"{op}: `{name}` must be an mlx.nn.Module, got {type(model).__name__}")
-    kinds = {type(layer).__name__ for layer in make_prompt_cache(model)}
-    if kinds != {KVCache.__name__}:
-        raise ValueError(
-            f"{op}: `{name}` has caches of {sorted(kinds)}; batched speculation takes only "
-            f"models whose caches are all KVCache (batched as {BatchKVCache.__name__})"
-        )
-
-
 def _check_drafter(op: str, draft_model: object, drafter: object) -> Drafter | None:
     """The prompt lookup drafter each sequence copies (``None`` with a draft model)."""
     if (draft_model is None) == (drafter is None):
@@ -798,7 +769,7 @@ def _check_drafter(op: str, draft_model: object, drafter: object) -> Drafter | N
             f"and {drafter!r}"
         )
     if drafter is None:
-        _check_batchable(op, "draft_model", draft_model)
+        check_batchable(op, "draft_model", draft_model)
         return None
     if isinstance(drafter, str) and drafter == "prompt-lookup":
         return PromptLookupDrafter()
@@ -879,14 +850,15 @@ def batch_generate(
     whatever the batch, the drafter and the draft lengths.
 
     Args:
-        model (nn.Module): the target model; its caches must all be ``KVCache`` (no sliding
-            windows, no recurrent layers yet).
+        model (nn.Module): the target model: its caches must be ``KVCache`` layers, or the
+            gated delta-net layers of hybrids (Qwen3-Next, Qwen3.5 / 3.6) beside them (no
+            sliding windows yet).
         tokenizer (TokenizerWrapper): the target's tokenizer: its ``eos_token_ids`` end a
             sequence, and it decodes the texts.
         prompts (list of list of int): ``B >= 1`` prompts, each ``[L_i]`` token ids, ``L_i >= 1``,
             inside the target's vocabulary.
         draft_model (nn.Module, optional): a draft model with the target's tokenizer and
-            ``KVCache`` caches, run as a batch. Give it or ``drafter``.
+            caches that batch as the target's do, run as a batch. Give it or ``drafter``.
         drafter (str or PromptLookupDrafter, optional): ``"prompt-lookup"``, or a
             :class:`mlx_spec.PromptLookupDrafter` whose settings each sequence copies into its
             own index.
@@ -939,7 +911,7 @@ def batch_generate(
             Raised before any work.
     """
     op = "mlx_spec.batch_generate"
-    _check_batchable(op, "model", model)
+    check_batchable(op, "model", model)
     copied = _check_drafter(op, draft_model, drafter)
     ids = _check_prompts(op, prompts, vocab_size(model))
     lengths = _per_prompt(op, "num_draft_tokens", num_draft_tokens, len(ids), 0, MAX_DRAFT_TOKENS)
@@ -1098,21 +1070,21 @@ class _Prefill:
         has some; those whose caches hold all of the prompt but its last token are given back
         at once, with their caches."""
         layers = [len(make_prompt_cache(m)) for m in self.models]
-        rows, caches, done = [], [[] for _ in self.models], []
+        rows, caches, prefilled = [], [[] for _ in self.models], []
         for entry in entries:
             started = entry[6]
-            held = started[0].offset if started is not None else 0
-            row = _Joining(entry, held, [e for e in entry[8] if e > held])
+            count = held(started) if started is not None else 0
+            row = _Joining(entry, count, [e for e in entry[8] if e > count])
             own = started or [c for model in self.models for c in make_prompt_cache(model)]
-            if held == len(row.prompt) - 1:
-                done.append((row, own))
+            if count == len(row.prompt) - 1:
+                prefilled.append((row, own))
                 continue
             rows.append(row)
             for k in range(len(self.models)):
                 first = sum(layers[:k])
                 caches[k].append(own[first : first + layers[k]])
         if not rows:
-            return done
+            return prefilled
         uids = [row.entry[0] for row in rows]
         # mlx-lm's filter takes every per-row list, samplers and processors included (unused).
         made = [
@@ -1132,7 +1104,7 @@ class _Prefill:
         else:
             self.batches = made
         self.rows += rows
-        return done
+        return prefilled
 
     def chunk(self) -> list[PromptResponse]:
         """Prefills each row's next chunk (:meth:`_Joining.chunk`): its progress, and the end
@@ -1192,7 +1164,8 @@ class SpeculativeBatchGenerator:
     the whole batch.
 
     Args:
-        model (nn.Module): the target model; its caches must all be ``KVCache``.
+        model (nn.Module): the target model; its caches must batch
+            (:func:`mlx_spec.batch_caches.check_batchable`).
         draft_model (nn.Module, optional): a draft model, run as a batch. Give it or ``drafter``.
         drafter (str or PromptLookupDrafter, optional): ``"prompt-lookup"``, or a
             :class:`mlx_spec.PromptLookupDrafter` each sequence copies.
@@ -1240,7 +1213,7 @@ class SpeculativeBatchGenerator:
         stream: mx.Stream | None = None,
     ) -> None:
         op = "SpeculativeBatchGenerator"
-        _check_batchable(op, "model", model)
+        check_batchable(op, "model", model)
         self._drafter = _check_drafter(op, draft_model, drafter)
         self.num_draft_tokens = check_int(
             op, "num_draft_tokens", num_draft_tokens, 0, MAX_DRAFT_TOKENS
@@ -1313,7 +1286,9 @@ class SpeculativeBatchGenerator:
         total = sum(c.nbytes for w in self._waiting if w[6] is not None for c in w[6])
         total += self._prefill.nbytes + sum(c.nbytes for _, cs in self._ready for c in cs)
         if self._batch is not None:
-            total += sum(c.nbytes for c in self._batch.cache + self._batch.draft_cache)
+            total += self._batch.cache.nbytes
+            if self._batch.draft_cache is not None:
+                total += self._batch.draft_cache.nbytes
         return total
 
     def insert(
@@ -1344,8 +1319,8 @@ class SpeculativeBatchGenerator:
                 ``[0, MAX_DRAFT_TOKENS]``; with adaptive lengths the policy's most caps it too.
                 Default: the generator's ``num_draft_tokens``.
             prompt_caches (list, optional): each one's caches to start from, or ``None``
-                (:class:`SpeculativeBatch`'s ``prompt_caches``: the target's ``KVCache``
-                layers, then the draft model's, holding the prompt's first tokens). Default:
+                (:class:`SpeculativeBatch`'s ``prompt_caches``: the target's layers' caches,
+                then the draft model's, holding the prompt's first tokens). Default:
                 none.
             stop_sequences (list, optional): each one's mlx-lm ``StopSequences``, or ``None``
                 (the generator's ``eos_token_ids`` end it). Default: none.

@@ -53,7 +53,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse
 
-from . import _mlx_lm, batch, generation, mtp_convert, serving
+from . import _mlx_lm, batch, batch_caches, generation, mtp_convert, serving
 from ._mlx_lm import lm
 from .batch_length import BatchAdaptive
 from .mtp import head_of
@@ -155,9 +155,9 @@ def _server_batches(model: Any, draft_model: Any) -> Callable[..., Any] | None:
         return None
     op = "mlx_lm.server (patched)"
     try:
-        batch._check_batchable(op, "model", model)
+        batch_caches.check_batchable(op, "model", model)
         if draft_model is not None:
-            batch._check_batchable(op, "draft_model", draft_model)
+            batch_caches.check_batchable(op, "draft_model", draft_model)
     except ValueError:
         return None
     drafter = None if draft_model is not None else "prompt-lookup"
@@ -251,7 +251,7 @@ def _batch_generate(*args: Any, **kwargs: Any) -> Any:
         if value is not None and name not in _BATCH_OPTIONS + _BATCH_IGNORED
     ]
     try:
-        batch._check_batchable("mlx_lm.batch_generate", "model", arguments["model"])
+        batch_caches.check_batchable("mlx_lm.batch_generate", "model", arguments["model"])
     except ValueError:
         refused.append("model")
     if refused and draft_model is not None:

@@ -20,9 +20,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
 
-from .batch import PromptResponse, SpeculativeBatchGenerator, held_tokens
+from .batch import PromptResponse, SpeculativeBatchGenerator
+from .batch_caches import cache_kinds, held_tokens
 from .batch_length import BatchAdaptive
 from .drafters import PromptLookupDrafter
 
@@ -39,7 +39,8 @@ class ServerBatchGenerator:
     prompt's, say), as mlx-lm's ``BatchGenerator`` does.
 
     Args:
-        model (nn.Module): the target model; its caches must all be ``KVCache``.
+        model (nn.Module): the target model; its caches must batch
+            (:func:`mlx_spec.batch_caches.check_batchable`).
         draft_model (nn.Module, optional): a draft model, run as a batch. Give it or ``drafter``.
         drafter (str or PromptLookupDrafter, optional): ``"prompt-lookup"``.
         num_draft_tokens (int): the most draft tokens a round, the server's
@@ -81,9 +82,7 @@ class ServerBatchGenerator:
             return_prompt_caches=True,
             stream=stream,
         )
-        self.layers = len(make_prompt_cache(model)) + (
-            len(make_prompt_cache(draft_model)) if draft_model is not None else 0
-        )
+        self.kinds = cache_kinds(model, draft_model)
 
     def __len__(self) -> int:
         return len(self.generator)
@@ -128,7 +127,7 @@ class ServerBatchGenerator:
         processors = logits_processors or [[] for _ in segments]
         started = [
             cache
-            if cache is not None and held_tokens(cache, self.layers, len(p)) == len(before)
+            if cache is not None and held_tokens(cache, self.kinds, len(p)) == len(before)
             else None
             for cache, p, before in zip(caches or [None] * count, prompts, held, strict=True)
         ]

@@ -751,3 +751,22 @@ def test_patched_server_batches_speculative_requests(draft) -> None:
         assert provider.is_batchable and type(generator) is server.BatchGenerator
     provider, generator = serving()
     assert provider.is_batchable is not draft and type(generator) is server.BatchGenerator
+
+
+def test_the_server_batches_hybrids_and_serves_sliding_windows_as_mlx_lm_does() -> None:
+    # A hybrid's gated delta-net layers batch beside its attention layers (with a hybrid draft
+    # model too); a model with sliding windows is left to mlx-lm (its maker is None).
+    from tiny_models import cut, tiny_gemma3, tiny_qwen3_5
+
+    from mlx_spec import patch
+
+    hybrid = tiny_qwen3_5(0)
+    patch_mlx_lm(prompt_lookup=True)
+    try:
+        make = patch._server_batches(hybrid, cut(hybrid, 2))
+        assert make is not None
+        assert make(hybrid).generator.draft_model is not None
+        assert patch._server_batches(hybrid, None) is not None
+        assert patch._server_batches(tiny_gemma3(0), None) is None
+    finally:
+        unpatch_mlx_lm()

@@ -11,9 +11,9 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator, PromptProcessingBatch, StopSequences
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
-from tiny_models import cut, tiny_llama
+from tiny_models import cut, tiny_llama, tiny_qwen3_5
 
 from mlx_spec import _mlx_lm
 from mlx_spec.serving import ServerBatchGenerator
@@ -23,20 +23,29 @@ PROMPTS = [[1, 2, 3, 4, 5] * 8, [7], [9, 10, 11, 9, 10, 11, 9, 10], [3, 4, 8] * 
 MAX_TOKENS = [24, 17, 30, 9]
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_llama(0)
+@pytest.fixture(scope="module", params=["llama", "qwen3_5"])
+def target(request):
+    """A transformer, and a hybrid whose gated delta-net layers keep no positions."""
+    return tiny_llama(0) if request.param == "llama" else tiny_qwen3_5(0)
 
 
 @pytest.fixture(scope="module", params=["draft-model", "prompt-lookup"])
 def make(request, target):
-    """A maker of the server's speculative generator, with each drafter."""
+    """A maker of the server's speculative generator, with each drafter (a draft model: the
+    target's first layer, or a hybrid's first two)."""
+    hybrid = any(isinstance(c, ArraysCache) for c in make_prompt_cache(target))
+    first = 2 if hybrid else 1
     options = (
-        {"draft_model": cut(target, 1)}
+        {"draft_model": cut(target, first)}
         if request.param == "draft-model"
         else {"drafter": "prompt-lookup"}
     )
     return lambda **kwargs: ServerBatchGenerator(target, **options, **kwargs)
+
+
+def offsets(cache: list) -> set[int]:
+    """The lengths a request's caches hold (recurrent layers hold none)."""
+    return {c.offset for c in cache if not isinstance(c, ArraysCache)}
 
 
 def stops_of(tokens: list[list[int]]) -> StopSequences:
@@ -86,10 +95,11 @@ def reference(target, segments, *, prompted=False, prefill_step_size=2048, **kwa
     return (got, responses) if prompted else got
 
 
+@pytest.mark.parametrize("target", ["llama"], indirect=True)
 def test_server_batches_give_mlx_lms_tokens_and_stops(target, make) -> None:
     # Stop sequences of one token and of several (the first of one of them seen twice before it
     # completes; another's last token also the request's last), which rounds may meet inside
-    # their drafts.
+    # their drafts: placed where the transformer's tokens meet them.
     stops = [
         stops_of([[242, 135, 33], [200]]),
         stops_of([[11]]),
@@ -148,7 +158,7 @@ def test_a_segments_end_gives_its_caches_for_the_servers_prompt_cache(target, ma
             break
     cache, tokens = saved
     assert tokens == system
-    assert len(cache) == generator.layers and {c.offset for c in cache} == {10}
+    assert len(cache) == len(generator.kinds) and offsets(cache) == {10}
     fresh = make()
     got, _ = drive(fresh, [[rest]], caches=[cache], all_tokens=[tokens], max_tokens=MAX_TOKENS[:1])
     expected = reference(target, [[system + rest]], max_tokens=MAX_TOKENS[:1])
@@ -164,9 +174,9 @@ def test_a_finished_requests_caches_start_its_next_turn(target, make, monkeypatc
     caches = [last.prompt_cache for _, last in first]
     held = [last.all_tokens for _, last in first]
     generator = make()
-    layers = generator.layers
+    layers = len(generator.kinds)
     for cache, tokens in zip(caches, held, strict=True):
-        assert len(cache) == layers and {c.offset for c in cache} == {len(tokens)}
+        assert len(cache) == layers and offsets(cache) == {len(tokens)}
     fed = []
     prompt = PromptProcessingBatch.prompt
 
@@ -239,9 +249,11 @@ def test_the_caches_held_are_counted_and_close_drops_them(target, make) -> None:
     assert generator.next() == ([], [])
 
 
+@pytest.mark.parametrize("target", ["llama"], indirect=True)
 def test_requests_with_logits_processors_give_mlx_lms_tokens(target, make) -> None:
     # A logit bias, none, both, and a repetition penalty over the last 20 tokens, each row its
-    # own, applied at every position a round verifies given the text and drafts before it.
+    # own, applied at every position a round verifies given the text and drafts before it (on
+    # the transformer, whose text each of them changes).
     made = [
         make_logits_processors(logit_bias={33: 12.0}),
         [],
