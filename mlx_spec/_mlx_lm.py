@@ -15,6 +15,9 @@ versions, with a fallback that stays exact and one warning naming what the fallb
 - **Batch caches** (``BatchKVCache.prepare(right_padding=...)`` then ``finalize``, which roll
   each row right and grow its left padding): after a batched verification each row is taken back
   to its own kept length in place. Fallback: each row extracted, trimmed and merged back (a copy).
+- **Batched sliding windows** (``BatchRotatingKVCache._temporal_order``, ``_idx``, ``_offset``
+  and ``left_padding``): each row taken back as a batch cache's are, the buffer cut to what the
+  rows keep. Fallback: such models do not batch speculatively.
 - **Snapshots**: a cache is checkpointed through its ``state`` where that holds everything it
   keeps, else through its attributes (always exact; no warning).
 - **Caches of a model's own** (deepseek-v4's ``LayerCache``, matched by name): restored from a
@@ -59,14 +62,17 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import (
     BatchKVCache,
+    BatchRotatingKVCache,
     RotatingKVCache,
     can_trim_prompt_cache,
+    dynamic_roll,
     trim_prompt_cache,
 )
 
 __all__ = [
     "Positions",
     "batch_rows_kept",
+    "batch_windows_kept",
     "decode_masks",
     "decoder_layer",
     "is_greedy_sampler",
@@ -85,6 +91,7 @@ __all__ = [
     "split",
     "track",
     "tracking",
+    "windows_in_order",
 ]
 
 _warned: set[str] = set()
@@ -1360,7 +1367,75 @@ def batch_rows_kept() -> bool:
         return False
 
 
-def keep_rows(layer: BatchKVCache, fed: int, kept: list[int]) -> BatchKVCache:
+def _window_kept(layer: BatchRotatingKVCache, fed: int, kept: list[int]) -> None:
+    """:func:`keep_rows` for a batch of sliding windows: the buffer put in temporal order and
+    cut to what it holds, its newest ``fed - max(kept)`` columns dropped, then each row that keeps
+    fewer moved right, the columns moved in becoming its left padding (as ``finalize`` moves a
+    right-padded row)."""
+    layer._temporal_order()
+    most = max(kept)
+    end = layer._idx - (fed - most)
+    layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
+    layer._idx, layer._offset = end, layer._offset - (fed - most)
+    layer.offset = layer.offset - (fed - most)
+    if most != min(kept):
+        shifts = mx.array([most - k for k in kept])
+        layer.keys = dynamic_roll(layer.keys, shifts[:, None], axis=2)
+        layer.values = dynamic_roll(layer.values, shifts[:, None], axis=2)
+        layer.left_padding = layer.left_padding + shifts
+        layer.offset = layer.offset - shifts
+
+
+def windows_in_order(layers: list[Any]) -> None:
+    """Puts each batch of sliding windows among ``layers`` in temporal order, before a call of
+    several positions: ``BatchRotatingKVCache.make_mask`` places that call's columns from where
+    the buffer's writes have reached (``_idx``), which a rotated buffer's one-position writes
+    leave short of its length, so its rows' left padding would not move with the oldest column
+    the call drops (mlx-lm's own batches make such calls only on a new batch)."""
+    for layer in layers:
+        if isinstance(layer, BatchRotatingKVCache) and layer.keys is not None:
+            layer._temporal_order()
+
+
+@cache
+def batch_windows_kept() -> bool:
+    """Whether :func:`_window_kept` and :func:`windows_in_order` leave each row the window its
+    own tokens give on this mlx-lm. A window of 6 holds a short row (one token, left padded) and
+    a long one; they keep 1 and 3 of 3 columns, take two one-column steps (which rotate the
+    buffer), then a two-column call: each query of each row must see its own newest tokens, up
+    to 6, and nothing else."""
+    try:
+        layer = BatchRotatingKVCache(6, [6, 0])
+
+        def feed(rows: list[list[float]]) -> None:
+            x = mx.array(rows).reshape(2, 1, len(rows[0]), 1)
+            layer.update_and_fetch(x, x)
+
+        feed([[-1.0] * 6 + [1.0], [10.0, 11.0, 12.0, 13.0, 14.0, 15.0, 16.0]])
+        feed([[2.0, -1.0, -1.0], [17.0, 18.0, 19.0]])
+        _window_kept(layer, 3, [1, 3])
+        feed([[3.0], [20.0]])
+        feed([[4.0], [21.0]])
+        windows_in_order([layer])
+        mask = layer.make_mask(2, return_array=True)
+        feed([[5.0, 6.0], [22.0, 23.0]])
+        seen = [
+            [[v for v, m in zip(row, mask[i, 0, q].tolist(), strict=True) if m] for q in (0, 1)]
+            for i, row in enumerate(layer.keys[:, 0, :, 0].tolist())
+        ]
+        want = [
+            [[1.0, 2.0, 3.0, 4.0, 5.0], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]],
+            [[17.0, 18.0, 19.0, 20.0, 21.0, 22.0], [18.0, 19.0, 20.0, 21.0, 22.0, 23.0]],
+        ]
+        if seen != want or layer.offset.tolist() != [6, 14]:
+            raise AssertionError(f"rows see {seen} at {layer.offset.tolist()}, not {want}")
+        return True
+    except Exception as error:
+        _lost("taking each row of a batch of sliding windows back to its own length", error)
+        return False
+
+
+def keep_rows(layer: Any, fed: int, kept: list[int]) -> Any:
     """Takes each row of a batch cache back after a call that fed ``fed`` columns to every row:
     row ``i`` keeps the first ``kept[i]`` of them.
 
@@ -1368,17 +1443,22 @@ def keep_rows(layer: BatchKVCache, fed: int, kept: list[int]) -> BatchKVCache:
     left padding; a row that keeps fewer columns than the most is moved right, its padding
     growing by the difference. Where this mlx-lm's cache does not behave as
     :func:`batch_rows_kept` checks, each row is extracted, trimmed and merged back (exact, with a
-    copy of the cache).
+    copy of the cache). A ``BatchRotatingKVCache`` (sliding windows) is put in temporal order and
+    taken back the same way, where :func:`batch_windows_kept` holds (the caller checks it: a
+    window cannot be trimmed row by row).
 
     Args:
-        layer (BatchKVCache): one layer's cache of the batch.
+        layer (BatchKVCache or BatchRotatingKVCache): one layer's cache of the batch.
         fed (int): the columns the last call fed every row.
         kept (list of int): for each row, how many of them it keeps, in ``[0, fed]``.
 
     Returns:
-        BatchKVCache: the cache (``layer`` itself, or its replacement).
+        BatchKVCache or BatchRotatingKVCache: the cache (``layer`` itself, or its replacement).
     """
     if layer.keys is None:
+        return layer
+    if isinstance(layer, BatchRotatingKVCache):
+        _window_kept(layer, fed, kept)
         return layer
     if batch_rows_kept():
         return _kept_in_place(layer, fed, kept)
@@ -1484,6 +1564,7 @@ def report() -> dict[str, bool]:
     return {
         "rotating caches trimmed in place": rotating_trims(),
         "batch cache rows taken back in place": batch_rows_kept(),
+        "batched sliding windows taken back in place": batch_windows_kept(),
         "a batch's rows drawn in one graph": rows_by_inverse_cdf(),
         "rotating caches that keep tokens verified in one call": rotating_masks(),
         "gated delta-net states kept": track(_tiny_delta_net()) == 1,

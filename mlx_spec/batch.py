@@ -769,7 +769,7 @@ def _check_drafter(op: str, draft_model: object, drafter: object) -> Drafter | N
             f"and {drafter!r}"
         )
     if drafter is None:
-        check_batchable(op, "draft_model", draft_model)
+        check_batchable(op, "draft_model", draft_model, draft=True)
         return None
     if isinstance(drafter, str) and drafter == "prompt-lookup":
         return PromptLookupDrafter()
@@ -850,15 +850,16 @@ def batch_generate(
     whatever the batch, the drafter and the draft lengths.
 
     Args:
-        model (nn.Module): the target model: its caches must be ``KVCache`` layers, or the
-            gated delta-net layers of hybrids (Qwen3-Next, Qwen3.5 / 3.6) beside them (no
-            sliding windows yet).
+        model (nn.Module): the target model: its caches must be ``KVCache`` layers, sliding
+            windows (the Gemma 3 family), or the gated delta-net layers of hybrids (Qwen3-Next,
+            Qwen3.5 / 3.6) beside them (:func:`mlx_spec.batch_caches.check_batchable`).
         tokenizer (TokenizerWrapper): the target's tokenizer: its ``eos_token_ids`` end a
             sequence, and it decodes the texts.
         prompts (list of list of int): ``B >= 1`` prompts, each ``[L_i]`` token ids, ``L_i >= 1``,
             inside the target's vocabulary.
         draft_model (nn.Module, optional): a draft model with the target's tokenizer and
-            caches that batch as the target's do, run as a batch. Give it or ``drafter``.
+            caches that batch as the target's do (no sliding windows), run as a batch. Give it
+            or ``drafter``.
         drafter (str or PromptLookupDrafter, optional): ``"prompt-lookup"``, or a
             :class:`mlx_spec.PromptLookupDrafter` whose settings each sequence copies into its
             own index.

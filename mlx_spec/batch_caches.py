@@ -1,12 +1,15 @@
 """A batch's caches of one model, each row taken back to its own length after a round.
 
 A round feeds every row of a batch the same number of positions, and each row keeps its own
-number of them. Attention layers (``BatchKVCache``) drop each row's newest entries past what it
-keeps (:func:`mlx_spec._mlx_lm.keep_rows`). The gated delta-net layers of hybrids (Qwen3-Next,
-Qwen3.5 / 3.6: an ``ArraysCache`` holding a convolution's last inputs and a recurrent state)
-cannot drop positions. A call made to be taken back records each of their states after each
-position (:func:`mlx_spec._mlx_lm.tracking`), and each row then takes the states after the
-positions it keeps. Nothing is replayed, and the rows stay in one batch.
+number of them. Attention layers (``BatchKVCache``, and ``BatchRotatingKVCache`` for sliding
+windows) drop each row's newest entries past what it keeps
+(:func:`mlx_spec._mlx_lm.keep_rows`). A window's buffer is put in temporal order before each
+call of several positions (:func:`mlx_spec._mlx_lm.windows_in_order`), so that the call's mask
+follows each row's own window. The gated delta-net layers of hybrids (Qwen3-Next, Qwen3.5 /
+3.6: an ``ArraysCache`` holding a convolution's last inputs and a recurrent state) cannot drop
+positions. A call made to be taken back records each of their states after each position
+(:func:`mlx_spec._mlx_lm.tracking`), and each row then takes the states after the positions it
+keeps. Nothing is replayed, and the rows stay in one batch.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from . import _mlx_lm
 from .caches import _tracks
@@ -27,21 +30,42 @@ def _is_recurrent(layer: Any) -> bool:
     return isinstance(layer, ArraysCache)
 
 
-def check_batchable(op: str, name: str, model: object) -> None:
+def _window(layer: Any) -> bool:
+    """Whether ``layer`` is a sliding window that batches (one that keeps no first tokens)."""
+    return type(layer) is RotatingKVCache and layer.keep == 0
+
+
+def check_batchable(op: str, name: str, model: object, *, draft: bool = False) -> None:
     """Raises ``ValueError`` unless ``model``'s caches batch with rows taken back each to its own
-    length: ``KVCache`` layers (batched as ``BatchKVCache``), and gated delta-net layers whose
-    states this mlx-lm lets :func:`mlx_spec._mlx_lm.track` keep, beside at least one ``KVCache``.
-    Rotating windows are refused: taking their rows back is not written yet."""
+    length: ``KVCache`` layers (batched as ``BatchKVCache``), sliding windows keeping no first
+    tokens (``RotatingKVCache``, batched as ``BatchRotatingKVCache``) where
+    :func:`mlx_spec._mlx_lm.batch_windows_kept` holds, and gated delta-net layers whose states
+    this mlx-lm lets :func:`mlx_spec._mlx_lm.track` keep, beside at least one attention layer.
+
+    A ``draft`` model may not have sliding windows: it drafts one position a call, and a full
+    window then drops its oldest entry at each, which taking a rejected draft back cannot
+    restore (a verification feeds several positions a call, and keeps them)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"{op}: `{name}` must be an mlx.nn.Module, got {type(model).__name__}")
     layers = make_prompt_cache(model)
     kinds = sorted({type(layer).__name__ for layer in layers})
-    attention = [layer for layer in layers if type(layer) is KVCache]
+    attention = [layer for layer in layers if type(layer) is KVCache or _window(layer)]
     recurrent = [layer for layer in layers if _is_recurrent(layer)]
     if not attention or len(attention) + len(recurrent) != len(layers):
         raise ValueError(
-            f"{op}: `{name}` has caches of {kinds}; batched speculation takes KVCache layers "
-            f"and the gated delta-net layers of hybrids (ArraysCache), with at least one KVCache"
+            f"{op}: `{name}` has caches of {kinds}; batched speculation takes KVCache layers, "
+            f"sliding windows that keep no first tokens (RotatingKVCache) and the gated "
+            f"delta-net layers of hybrids (ArraysCache), with at least one attention layer"
+        )
+    if draft and any(_window(layer) for layer in layers):
+        raise ValueError(
+            f"{op}: `{name}` has sliding windows (RotatingKVCache); a batched draft model may "
+            f"not, yet (a target may)"
+        )
+    if any(_window(layer) for layer in layers) and not _mlx_lm.batch_windows_kept():
+        raise ValueError(
+            f"{op}: `{name}` has sliding windows, which this mlx-lm does not let mlx-spec take "
+            f"back row by row (see `python -m mlx_spec._mlx_lm`)"
         )
     if recurrent and not _tracks(layers, _mlx_lm.track(model)):
         raise ValueError(
@@ -114,6 +138,8 @@ class BatchCaches:
         Returns:
             array: ``[B, W, V]`` logits, lazy.
         """
+        if tokens.shape[1] > 1:
+            _mlx_lm.windows_in_order(self.layers)
         recurrent = self._recurrent
         if not (undoable and recurrent):
             return self.model(tokens, cache=self.layers)

@@ -157,7 +157,7 @@ def _server_batches(model: Any, draft_model: Any) -> Callable[..., Any] | None:
     try:
         batch_caches.check_batchable(op, "model", model)
         if draft_model is not None:
-            batch_caches.check_batchable(op, "draft_model", draft_model)
+            batch_caches.check_batchable(op, "draft_model", draft_model, draft=True)
     except ValueError:
         return None
     drafter = None if draft_model is not None else "prompt-lookup"
@@ -234,7 +234,8 @@ def _batch_generate(*args: Any, **kwargs: Any) -> Any:
     With a draft model, or without one and with ``prompt_lookup=True``, the prompts decode in
     mlx-spec's batches (:func:`mlx_spec.batch.batch_generate`). mlx-lm's own runs instead where
     the call needs what those do not take yet: ``prompt_caches``, ``max_kv_size``, a
-    ``stream``, or a model whose caches do not batch (sliding windows, recurrent layers). Where
+    ``stream``, or a model whose caches do not batch (recurrent layers other than gated
+    delta-nets, a draft model's sliding windows). Where
     a draft model was given, such a call raises instead, naming the option.
     """
     draft_model = kwargs.pop("draft_model", None)

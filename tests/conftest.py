@@ -47,6 +47,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _eager(request: pytest.FixtureRequest):
+    """Runs a test marked ``eager`` with ``mx.compile`` off. MLX's CPU backend compiles C++ for
+    each fused graph and each constant baked into it, about a second each, so a sweep drawing a
+    new vocabulary size or filter value per example spends most of its time in the compiler; the
+    sweep checks the ops' values, which compiling does not change, and a compiled sibling with
+    fewer examples runs beside it."""
+    if request.node.get_closest_marker("eager") is None:
+        yield
+        return
+    import mlx.core as mx
+
+    mx.disable_compile()
+    try:
+        yield
+    finally:
+        mx.enable_compile()
+
+
 @pytest.fixture(scope="module")
 def target():
     """A two-layer float32 llama (:func:`tiny_models.tiny_llama`)."""

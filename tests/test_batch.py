@@ -16,13 +16,20 @@ import numpy as np
 import pytest
 from helpers import ByteTokenizer
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from tiny_models import cut, tiny_llama, tiny_qwen2, tiny_qwen3_5
 
 import mlx_spec
 from mlx_spec import _mlx_lm
 from mlx_spec.batch_length import BatchAdaptive
+from mlx_spec.drafters import Draft, PromptLookupDrafter
 from mlx_spec.generation import speculative_generate_step
 from mlx_spec.keys import seed_of
 
@@ -316,6 +323,28 @@ def test_the_in_place_probe_holds_on_this_mlx_lm():
     assert _mlx_lm.report()["batch cache rows taken back in place"]
 
 
+@pytest.mark.parametrize("broken", [None, "trimmed", "out of order"])
+def test_the_window_probe_holds_and_fails_on_a_window_taken_back_wrong(broken, monkeypatch):
+    # mlx-lm's own trim leaves rejected entries in the buffer and rows unshifted; a rotated
+    # buffer left as it is before a call of several positions hides a short row's oldest token.
+    if broken == "trimmed":
+        monkeypatch.setattr(
+            _mlx_lm, "_window_kept", lambda layer, fed, kept: layer.trim(fed - max(kept))
+        )
+    if broken == "out of order":
+        monkeypatch.setattr(_mlx_lm, "windows_in_order", lambda layers: None)
+    monkeypatch.setattr(_mlx_lm, "_warned", set())
+    _mlx_lm.batch_windows_kept.cache_clear()
+    try:
+        if broken is None:
+            assert _mlx_lm.batch_windows_kept()
+        else:
+            with pytest.warns(RuntimeWarning, match="batch of sliding windows"):
+                assert not _mlx_lm.batch_windows_kept()
+    finally:
+        _mlx_lm.batch_windows_kept.cache_clear()
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("width", [2, 37, 4096, 151936])
 def test_a_batchs_rows_drawn_in_one_graph_are_mlx_s_categorical_draws(dtype, width):
@@ -391,11 +420,62 @@ def test_bad_arguments_are_refused_before_any_work(tokenizer, kwargs, named):
 def test_models_whose_caches_do_not_batch_are_refused(tokenizer):
     from tiny_models import tiny_gemma3, tiny_lfm2
 
-    with pytest.raises(ValueError, match=r"`model` has caches of .*RotatingKVCache"):
-        mlx_spec.batch_generate(tiny_gemma3(0), tokenizer, [[1, 2]], drafter="prompt-lookup")
+    # A draft model with sliding windows (a target may have them).
+    with pytest.raises(ValueError, match=r"`draft_model` has sliding windows"):
+        mlx_spec.batch_generate(tiny_llama(0), tokenizer, [[1, 2]], draft_model=tiny_gemma3(0))
     # LFM2's short convolutions keep a state mlx-spec does not track after each position.
     with pytest.raises(ValueError, match=r"`draft_model` has recurrent layers whose states"):
         mlx_spec.batch_generate(tiny_llama(0), tokenizer, [[1, 2]], draft_model=tiny_lfm2(0))
+    # A window that keeps its first tokens (mlx-lm's max_kv_size): no batch cache holds one.
+    keeping = tiny_gemma3(0)
+    keeping.make_cache = lambda: [RotatingKVCache(8, keep=4), KVCache()] * 2
+    with pytest.raises(ValueError, match=r"`model` has caches of .*RotatingKVCache"):
+        mlx_spec.batch_generate(keeping, tokenizer, [[1, 2]], drafter="prompt-lookup")
+
+
+class Foreseeing(PromptLookupDrafter):
+    """Proposes the target's own tokens for the sequence (``references``, by prompt), wrong at
+    every third generated position: most drafts are kept, and rows keep different counts."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], vocab: int) -> None:
+        super().__init__()
+        self.references = references
+        self.vocab = vocab
+        self.prompt: tuple[int, ...] = ()
+
+    def start(self, text, setup) -> None:
+        super().start(text, setup)
+        self.prompt = tuple(text.ids(0))
+
+    def propose(self, text, n, keys) -> Draft:
+        done = len(text) - len(self.prompt)
+        ahead = self.references[self.prompt][done : done + n]
+        wrong = [(done + j) % 3 == 2 for j in range(len(ahead))]
+        tokens = [(t + 1) % self.vocab if w else t for t, w in zip(ahead, wrong, strict=True)]
+        return Draft(mx.array(tokens, dtype=mx.uint32))
+
+
+@pytest.mark.parametrize("window", [4, 8])
+@pytest.mark.parametrize("lengths", ["fixed", "adaptive"])
+def test_sliding_windows_give_mlx_lms_batched_tokens(tokenizer, window, lengths):
+    # Windows of 4 and 8 tokens, passed many times over; drafts of the target's own tokens,
+    # two of three kept, so that rows keep different counts in most rounds; and prompt lookup.
+    from tiny_models import tiny_gemma3
+
+    model = tiny_gemma3(0, window=window)
+    want = plain(model, tokenizer, PROMPTS, 48)
+    references = {tuple(p): t + [0] * 16 for p, t in zip(PROMPTS, want, strict=True)}
+    chosen = {"fixed": {"adaptive": False}, "adaptive": {}}[lengths]
+    for drafter in (Foreseeing(references, 256), "prompt-lookup"):
+        got = speculative(
+            model, tokenizer, PROMPTS, 48, drafter=drafter, num_draft_tokens=4, **chosen
+        )
+        assert got.token_ids == want
+    # With the foreseeing drafter at fixed N, rounds emitted more than one token on average.
+    if lengths == "fixed":
+        got = speculative(model, tokenizer, PROMPTS, 48, drafter=Foreseeing(references, 256),
+                          num_draft_tokens=4, adaptive=False)  # fmt: skip
+        assert got.stats.generation_steps < 30
 
 
 def drive(insert, remove, step, max_tokens):
@@ -424,12 +504,21 @@ def drive(insert, remove, step, max_tokens):
 @pytest.mark.parametrize("drafter", ["prompt-lookup", "draft-model"])
 @pytest.mark.parametrize(
     ("target", "lengths"),
-    [("llama", "adaptive"), ("llama", "fixed"), ("llama", "plain steps"), ("qwen3_5", "fixed")],
+    [
+        ("llama", "adaptive"),
+        ("llama", "fixed"),
+        ("llama", "plain steps"),
+        ("qwen3_5", "fixed"),
+        ("gemma3", "fixed"),
+    ],
 )
 def test_sequences_join_and_leave_as_in_mlx_lms_batch_generator(
     tokenizer, drafter, target, lengths
 ):
-    model = tiny_llama(0) if target == "llama" else tiny_qwen3_5(0)
+    from tiny_models import tiny_gemma3
+
+    models = {"llama": tiny_llama, "qwen3_5": tiny_qwen3_5, "gemma3": tiny_gemma3}
+    model = models[target](0)
     max_tokens = [24, 40, 18, 20]
     eos = list(tokenizer.eos_token_ids)
     theirs = BatchGenerator(model, stop_tokens=[[t] for t in eos])
@@ -440,7 +529,11 @@ def test_sequences_join_and_leave_as_in_mlx_lms_batch_generator(
         "fixed": {"adaptive": False},
         "plain steps": {"policy": BatchAdaptive(3, {b: DEAR for b in range(1, 5)})},
     }[lengths]
-    draft = cut(model, 1 if target == "llama" else 2) if drafter == "draft-model" else None
+    # A hybrid's draft is its first two layers (one of each kind); a windowed target's, a
+    # transformer (a batched draft model has no windows).
+    drafts = {"llama": lambda: cut(model, 1), "qwen3_5": lambda: cut(model, 2),
+              "gemma3": lambda: tiny_llama(0)}  # fmt: skip
+    draft = drafts[target]() if drafter == "draft-model" else None
     drafting = {"drafter": drafter} if draft is None else {"draft_model": draft}
     mine = mlx_spec.SpeculativeBatchGenerator(model, eos_token_ids=eos, **drafting, **chosen)
     got, (caches, held) = drive(mine.insert, mine.remove, mine.next, max_tokens)
@@ -455,8 +548,19 @@ def test_sequences_join_and_leave_as_in_mlx_lms_batch_generator(
         own = make_prompt_cache(each)
         each(mx.array([held]), cache=own)
         fresh += own
-    assert_same_caches(caches, fresh)
     assert {c.offset for c in caches if not isinstance(c, ArraysCache)} == {len(held)}
+    if target != "gemma3":
+        assert_same_caches(caches, fresh)
+    # Each model's next logits from them are those from caches of its tokens fed afresh (a
+    # window's buffer may hold older entries than a fresh one's).
+    first = 0
+    for each in (model, draft) if draft is not None else (model,):
+        layers = len(make_prompt_cache(each))
+        x = mx.array([[7]])
+        ours = each(x, cache=caches[first : first + layers])
+        theirs = each(x, cache=fresh[first : first + layers])
+        np.testing.assert_allclose(np.array(ours), np.array(theirs), atol=1e-4)
+        first += layers
 
 
 @pytest.mark.parametrize(

@@ -343,10 +343,12 @@ def test_greedy_equals_oracle(shape):
 
 
 @pytest.mark.slow
+@pytest.mark.eager
 @settings(max_examples=_examples(500))
 @given(shape=_shapes(ALL_N, ALL_VOCABS))
 def test_greedy_equals_oracle_over_all_shapes(shape):
-    """The same comparison over every N in 0..16 (heavy: one compile per N and id dtypes)."""
+    """The same comparison over every N in 0..16, uncompiled (test_greedy_equals_oracle runs
+    the compiled graphs)."""
     _check_greedy(shape)
 
 
@@ -486,6 +488,7 @@ def test_sampled_matches_oracle_for_the_same_uniforms(shape, drafter, q_dtype, q
 
 
 @pytest.mark.slow
+@pytest.mark.eager
 @settings(max_examples=_examples(200))
 @given(
     shape=_shapes(ALL_N, ALL_VOCABS),
@@ -495,6 +498,6 @@ def test_sampled_matches_oracle_for_the_same_uniforms(shape, drafter, q_dtype, q
     sharp=sharpness,
 )
 def test_sampled_matches_oracle_over_all_shapes(shape, drafter, q_dtype, q_layout, sharp):
-    """The same comparison over every N in 0..16 and 16 vocabulary sizes (heavy: one compile
-    per shape)."""
+    """The same comparison over every N in 0..16 and 16 vocabulary sizes, uncompiled
+    (test_sampled_matches_oracle_for_the_same_uniforms runs the compiled graphs)."""
     _check_sampled(shape, drafter, q_dtype, q_layout, sharp)

@@ -753,10 +753,11 @@ def test_patched_server_batches_speculative_requests(draft) -> None:
     assert provider.is_batchable is not draft and type(generator) is server.BatchGenerator
 
 
-def test_the_server_batches_hybrids_and_serves_sliding_windows_as_mlx_lm_does() -> None:
+def test_the_server_batches_hybrids_and_sliding_windows() -> None:
     # A hybrid's gated delta-net layers batch beside its attention layers (with a hybrid draft
-    # model too); a model with sliding windows is left to mlx-lm (its maker is None).
-    from tiny_models import cut, tiny_gemma3, tiny_qwen3_5
+    # model too), as a target's sliding windows do; a draft model with sliding windows is left
+    # to mlx-lm (its maker is None).
+    from tiny_models import cut, tiny_gemma3, tiny_llama, tiny_qwen3_5
 
     from mlx_spec import patch
 
@@ -767,6 +768,7 @@ def test_the_server_batches_hybrids_and_serves_sliding_windows_as_mlx_lm_does() 
         assert make is not None
         assert make(hybrid).generator.draft_model is not None
         assert patch._server_batches(hybrid, None) is not None
-        assert patch._server_batches(tiny_gemma3(0), None) is None
+        assert patch._server_batches(tiny_gemma3(0), tiny_llama(0)) is not None
+        assert patch._server_batches(tiny_llama(0), tiny_gemma3(0)) is None
     finally:
         unpatch_mlx_lm()

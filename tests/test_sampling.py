@@ -273,6 +273,7 @@ def test_masks_equal_mlx_lm_on_a_few_tied_rows(row, dtype, top_p, min_p, keep, t
 
 
 @pytest.mark.slow
+@pytest.mark.eager  # mlx-lm's filters, compiled, bake each example's value into new kernels
 @given(**_mask_settings)
 def test_masks_equal_mlx_lm_with_ties_and_minus_inf(row, dtype, top_p, min_p, keep, top_k):
     _check_masks_equal_mlx_lm(row, dtype, top_p, min_p, keep, top_k)
