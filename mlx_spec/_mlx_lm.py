@@ -33,9 +33,9 @@ versions, with a fallback that stays exact and one warning naming what the fallb
 - **mlx-lm's server** (``APIHandler.handle_completion``, ``ResponseGenerator.generate`` and
   ``_run_generate``, the ``LRUPromptCache`` it makes, ``ModelProvider._load`` and the
   ``is_batchable`` it sets): every request answered, a prompt its prompt cache holds exactly fed
-  its last token again, the generation thread ending with ``mx.clear_streams()``, and the
-  requests to a model that drafts for itself served one at a time (batched generation does not
-  draft). Fallback: mlx-lm's server as it is, with a warning for each.
+  its last token again, the generation thread ending with ``mx.clear_streams()``, the requests
+  batched speculatively, and those to a model whose own drafter does not batch served one at a
+  time. Fallback: mlx-lm's server as it is, with a warning for each.
 
 :func:`report` runs every probe and says which hold (``python -m mlx_spec._mlx_lm``).
 """

@@ -46,10 +46,12 @@ from ._checks import check_callable, check_int, check_key, device_type, is_int
 from .acceptance import INVALID_ROW, _argmax_rows, _compile_per_thread, _matching, check_next
 from .batch_caches import BatchCaches, cache_kinds, check_batchable, held, held_tokens
 from .batch_length import BatchAdaptive
+from .batch_mtp import BatchHead, Capturing, check_head
 from .draft_length import MAX_DRAFT_TOKENS, Adaptive, Outcome, Round
 from .drafters import Drafter, DraftSetup, PromptLookupDrafter
 from .keys import KeyChain, set_global_state
 from .loop import Text, vocab_size
+from .mtp import MTPDrafter
 from .rules import Rule, make_rule
 
 __all__ = ["SpeculativeBatch", "SpeculativeBatchGenerator", "batch_generate", "decide"]
@@ -177,6 +179,9 @@ class _Sequence:
             end it at their last token (``None``: the batch's EOS ids do).
         processors (list): its logits processors, ``processor(tokens, logits)`` as mlx-lm calls
             them, applied to its target logits at each position given its text up to there.
+        seen (int): with an MTP head, the text position from which the head has not seen its
+            target's hidden states.
+        hidden (list of array): those hidden states, ``[k, H]`` arrays in text order.
     """
 
     uid: int
@@ -193,6 +198,8 @@ class _Sequence:
     label: int = 0
     stop: Any = None
     processors: list[Any] = field(default_factory=list)
+    seen: int = 0
+    hidden: list[mx.array] = field(default_factory=list)
 
     def ends(self, token: int, eos: set[int]) -> bool:
         """Whether ``token``, just emitted, ends the sequence with finish reason ``"stop"``."""
@@ -216,18 +223,27 @@ def _padded(rows: list[list[int]], width: int, fill: int) -> mx.array:
 
 
 def _prefill(
-    model: nn.Module, prompts: list[list[int]], step: int, started: list[list[Any] | None]
-) -> list[Any]:
+    model: nn.Module,
+    prompts: list[list[int]],
+    step: int,
+    started: list[list[Any] | None],
+    capture: Capturing | None = None,
+) -> tuple[list[Any], list[int], list[mx.array]]:
     """The batch caches of ``model`` holding each prompt but its last token, filled as mlx-lm's
     ``BatchGenerator`` fills them (right padded, then each row moved behind left padding), each
-    row from its ``started`` caches where given (which hold the prompt's first tokens)."""
+    row from its ``started`` caches where given (which hold the prompt's first tokens); how many
+    tokens each row's started caches held; and with ``capture`` (the target, called by it) each
+    row's ``[k, H]`` hidden states of the positions filled."""
     caches = [c if c is not None else make_prompt_cache(model) for c in started]
     done = [held(c) if c else 0 for c in caches]
-    batch = PromptProcessingBatch(model, list(range(len(prompts))), caches, prefill_step_size=step)
+    batch = PromptProcessingBatch(
+        capture or model, list(range(len(prompts))), caches, prefill_step_size=step
+    )
     rows = [p[h:-1] for p, h in zip(prompts, done, strict=True)]
     if any(rows):
         batch.prompt(rows)
-    return batch.prompt_cache
+    states = capture.rows([len(r) for r in rows]) if capture is not None else []
+    return batch.prompt_cache, done, states
 
 
 def _split_started(
@@ -273,7 +289,9 @@ class SpeculativeBatch:
             first generated token (``None`` for a greedy one). Needed by every sequence that
             samples.
         draft_model (nn.Module, optional): drafts for every sequence, run as a batch.
-        drafter (Drafter, optional): a prompt lookup drafter; each sequence gets its own copy.
+        drafter (Drafter, optional): a prompt lookup drafter, each sequence getting its own
+            copy; or an :class:`mlx_spec.MTPDrafter` whose head drafts for every sequence
+            (:class:`mlx_spec.batch_mtp.BatchHead`).
         prefill_step_size (int): prompt tokens per prefill call. Default: ``2048``.
         return_prompt_caches (bool): give each finished sequence's caches in its last response
             (one model call each, for the tokens a round leaves unfed). Default: ``False``.
@@ -325,8 +343,9 @@ class SpeculativeBatch:
         self._eos = mx.array(eos_token_ids, dtype=mx.uint32) if eos_token_ids else None
         self.return_prompt_caches = return_prompt_caches
         rules = [make_rule(s, "coupled", self.vocab) for s in samplers or [None] * count]
+        lookup = None if isinstance(drafter, MTPDrafter) else drafter
         self.sequences = [
-            _sequence(uid, prompt, drafter, n, most, rule, key, policy, stop, processors)
+            _sequence(uid, prompt, lookup, n, most, rule, key, policy, stop, processors)
             for uid, prompt, n, most, rule, key, stop, processors in zip(
                 uids if uids is not None else range(count),
                 prompts,
@@ -342,10 +361,19 @@ class SpeculativeBatch:
         # A sampler that exposes no distribution is called with mx.random's global state set
         # to each position's (as single-sequence generation calls it); a round puts it back.
         self._seeds = any(rule.seeds for rule in rules)
-        self.cache = BatchCaches(model, _prefill(model, prompts, prefill_step_size, started))
+        # With an MTP head, the target's calls keep their hidden states, which it reads.
+        mtp = isinstance(drafter, MTPDrafter)
+        split = _mlx_lm.split(model) if mtp else None
+        self.head = BatchHead(model, drafter.head, count) if mtp else None
+        layers, done, states = _prefill(
+            model, prompts, prefill_step_size, started, Capturing(split) if mtp else None
+        )
+        self.cache = BatchCaches(model, layers, split=split)
+        for s, start, rows in zip(self.sequences, done, states, strict=False):
+            s.seen, s.hidden = start, [rows] if rows.size else []
         self.draft_cache = (
             BatchCaches(
-                draft_model, _prefill(draft_model, prompts, prefill_step_size, started_drafts)
+                draft_model, _prefill(draft_model, prompts, prefill_step_size, started_drafts)[0]
             )
             if draft_model is not None
             else None
@@ -353,7 +381,7 @@ class SpeculativeBatch:
         self.rounds = 0
         # The plain step started and not yet read, whether another follows it, and the time of
         # the last read.
-        self._ahead: tuple[mx.array, mx.array, mx.array] | None = None
+        self._ahead: tuple[mx.array, mx.array, mx.array, mx.array | None] | None = None
         self._more = False
         self._first = False
         self._clock = 0.0
@@ -371,6 +399,8 @@ class SpeculativeBatch:
                 proposal = s.drafter.propose(s.text, budget, s.states(budget, draft=True))
                 s.draft, s.label = proposal.tokens.tolist(), proposal.label
             s.cap = len(s.draft) if s.drafter is not None else budget
+            if self.head is not None and not s.hidden:
+                s.cap = 0  # the head has no position to draft from (a one-token prompt)
         if self.policy is None:
             return max(s.cap for s in self.sequences)
         return self.policy.choose([(s.estimate, Round(s.cap, s.label)) for s in self.sequences])
@@ -379,11 +409,40 @@ class SpeculativeBatch:
         """``[B, n]`` uint32: each row's draft of ``min(n, cap)`` tokens, then
         :data:`NO_DRAFT`."""
         own = [min(n, s.cap) for s in self.sequences]
-        if self.draft_model is not None:
-            drafts = self._draft_with_model(n)
+        if self.draft_model is not None or self.head is not None:
+            drafts = self._draft_with_model(n) if self.head is None else self._draft_with_head(n)
             used = mx.array(np.arange(n)[None] < np.array(own)[:, None])
             return mx.where(used, drafts, NO_DRAFT).astype(mx.uint32)
         return _padded([s.draft[:k] for s, k in zip(self.sequences, own, strict=True)], n, NO_DRAFT)
+
+    def _drawer(self, n: int) -> Any:
+        """``draw(logits [B, 1, V], j) -> [B]`` uint32: draft step ``j`` of ``n``, each row
+        drawn under its own rule with its own position's state."""
+        rules = [s.rule for s in self.sequences]
+        states = [s.states(n, draft=True) for s in self.sequences]
+
+        def draw(last: mx.array, j: int) -> mx.array:
+            at_j = [None if k is None else k[j : j + 1] for k in states]
+            return choices(last, rules, at_j, draft=True)[0][:, 0]
+
+        return draw
+
+    def _draft_with_head(self, n: int) -> mx.array:
+        """``[B, n]`` uint32: the MTP head's tokens after each row's text, lazy
+        (:meth:`BatchHead.draft`), from the hidden states it had not seen."""
+        hidden = [
+            mx.concatenate(s.hidden) if s.hidden else mx.zeros((0, 0)) for s in self.sequences
+        ]
+        counts = [h.shape[0] if h.size else 0 for h in hidden]
+        after = [
+            s.text.ids(s.seen + 1, s.seen + 1 + k)
+            for s, k in zip(self.sequences, counts, strict=True)
+        ]
+        first = [s.seen == 0 for s in self.sequences]
+        tokens = self.head.draft(hidden, after, first, n, self._drawer(n))
+        for s, k in zip(self.sequences, counts, strict=True):
+            s.seen, s.hidden = s.seen + k, []
+        return tokens
 
     def _draft_with_model(self, n: int) -> mx.array:
         """``[B, n]`` uint32: the draft model's tokens after each row's text, lazy, each row's
@@ -394,13 +453,7 @@ class SpeculativeBatch:
         rows = [s.text.ids(len(s.text) - s.lag - 1) for s in self.sequences]
         logits = self.draft_cache(_padded(rows, width, 0), undoable=True)
         at = mx.array(lags)[:, None, None]
-        rules = [s.rule for s in self.sequences]
-        states = [s.states(n, draft=True) for s in self.sequences]
-
-        def draw(last: mx.array, j: int) -> mx.array:
-            at_j = [None if k is None else k[j : j + 1] for k in states]
-            return choices(last, rules, at_j, draft=True)[0][:, 0]
-
+        draw = self._drawer(n)
         tokens = [draw(mx.take_along_axis(logits, at, axis=1), 0)]
         self.draft_cache.keep(width, [lag + 1 for lag in lags])
         for s in self.sequences:
@@ -505,6 +558,8 @@ class SpeculativeBatch:
         self.cache.extend(other.cache)
         if self.draft_cache is not None:
             self.draft_cache.extend(other.draft_cache)
+        if self.head is not None:
+            self.head.extend(other.head)
 
     def remove(self, uids: Sequence[int], return_prompt_caches: bool = False) -> dict[int, Any]:
         """Takes sequences ``uids`` out of the batch.
@@ -531,13 +586,17 @@ class SpeculativeBatch:
         """``[B]`` uint32: each row's last token."""
         return mx.array([s.text.ids(len(s.text) - 1)[0] for s in self.sequences], mx.uint32)
 
-    def _start_step(self, fed: mx.array, ahead: int) -> tuple[mx.array, mx.array, mx.array]:
+    def _start_step(
+        self, fed: mx.array, ahead: int
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
         """A plain step feeding ``[B]`` ``fed``, ``ahead`` tokens past each row's text, started:
         the lazy ``[B]`` uint32 tokens (:data:`mlx_spec.INVALID_ROW` where a row cannot decide),
-        the ``[B]`` ids to feed next and the ``[B, V]`` log-probabilities."""
+        the ``[B]`` ids to feed next, the ``[B, V]`` log-probabilities and, with an MTP head,
+        the ``[B, 1, H]`` hidden states of the positions fed."""
         saved = mx.random.state[0] if self._seeds else None
         logits = self._processed(self.cache(fed[:, None]), fed if ahead else None)
         logits = logits[:, 0]
+        hidden = self.cache.hidden
         rules = [s.rule for s in self.sequences]
         states = [s.states(0, draft=False, ahead=ahead) for s in self.sequences]
         if len(set(rules)) == 1:
@@ -553,11 +612,11 @@ class SpeculativeBatch:
         mx.async_eval(tokens)
         if saved is not None:
             set_global_state(saved)
-        return tokens, fed, logprobs
+        return tokens, fed, logprobs, hidden
 
     def _step(self) -> list[Response]:
         """Reads the plain step started, having started the next one unless drafting resumes."""
-        tokens, fed, logprobs = self._ahead
+        tokens, fed, logprobs, hidden = self._ahead
         self._ahead = self._start_step(fed, 1) if self._more else None
         # The step's one read, of its tokens alone: an op on them would queue behind the step
         # ahead, and the read would wait for both.
@@ -576,6 +635,8 @@ class SpeculativeBatch:
             responses.extend(self._emit(s, [token], logprobs[i : i + 1]))
             if s.drafter is not None:
                 s.drafter.update(s.text, 0)
+            if hidden is not None:
+                s.hidden.append(hidden[i])
             s.lag += 1
         if self.policy is not None:
             outcome = Outcome(guessed, 0, seconds=seconds, plain=True, first=self._first)
@@ -592,6 +653,7 @@ class SpeculativeBatch:
         saved = mx.random.state[0] if self._seeds else None
         drafts = self._proposals(n)
         logits = self._processed(self.cache(self._inputs(drafts), undoable=True), drafts=drafts)
+        hidden = self.cache.hidden
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         decided = self._decide(logits, drafts)
         read = np.array(mx.concatenate([decided, drafts], axis=1))
@@ -608,6 +670,8 @@ class SpeculativeBatch:
             # ended inside the round): its last token and the drafts before the next one.
             kept.append(len(own))
             responses.extend(own)
+            if hidden is not None:
+                s.hidden.append(hidden[i, : len(own)])
             if s.drafter is not None:
                 s.drafter.update(s.text, accepted)
             if self.draft_model is not None:
@@ -673,8 +737,9 @@ class SpeculativeBatch:
             self._more = False
         if self._ahead is not None:
             rows = mx.array(keep, dtype=mx.int32)
-            self._ahead = tuple(part[rows] for part in self._ahead) if keep else None
-        for caches in (self.cache, self.draft_cache):
+            parts = (None if part is None else part[rows] for part in self._ahead)
+            self._ahead = tuple(parts) if keep else None
+        for caches in (self.cache, self.draft_cache, self.head):
             if caches is not None:
                 caches.filter(keep)
 
@@ -761,8 +826,11 @@ def _check_prompts(op: str, prompts: object, vocab: int | None) -> list[list[int
     return [[int(t) for t in prompt] for prompt in prompts]
 
 
-def _check_drafter(op: str, draft_model: object, drafter: object) -> Drafter | None:
-    """The prompt lookup drafter each sequence copies (``None`` with a draft model)."""
+def _check_drafter(
+    op: str, model: nn.Module, draft_model: object, drafter: object
+) -> Drafter | None:
+    """The prompt lookup drafter each sequence copies, or the :class:`mlx_spec.MTPDrafter`
+    whose head drafts for the batch (``None`` with a draft model)."""
     if (draft_model is None) == (drafter is None):
         raise ValueError(
             f"{op}: give one of `draft_model` and `drafter`, got {type(draft_model).__name__} "
@@ -775,8 +843,11 @@ def _check_drafter(op: str, draft_model: object, drafter: object) -> Drafter | N
         return PromptLookupDrafter()
     if isinstance(drafter, PromptLookupDrafter):
         return drafter
+    if (isinstance(drafter, str) and drafter == "mtp") or isinstance(drafter, MTPDrafter):
+        return MTPDrafter(check_head(op, model, drafter))
     raise ValueError(
-        f"{op}: `drafter` must be 'prompt-lookup' or a PromptLookupDrafter, got {drafter!r}"
+        f"{op}: `drafter` must be 'prompt-lookup', 'mtp', a PromptLookupDrafter or an "
+        f"MTPDrafter, got {drafter!r}"
     )
 
 
@@ -824,7 +895,7 @@ def batch_generate(
     prompts: Sequence[Sequence[int]],
     *,
     draft_model: nn.Module | None = None,
-    drafter: str | PromptLookupDrafter | None = None,
+    drafter: str | Drafter | None = None,
     num_draft_tokens: int | Sequence[int] = 3,
     adaptive: bool = True,
     policy: BatchAdaptive | None = None,
@@ -860,9 +931,10 @@ def batch_generate(
         draft_model (nn.Module, optional): a draft model with the target's tokenizer and
             caches that batch as the target's do (no sliding windows), run as a batch. Give it
             or ``drafter``.
-        drafter (str or PromptLookupDrafter, optional): ``"prompt-lookup"``, or a
+        drafter (str or Drafter, optional): ``"prompt-lookup"``, or a
             :class:`mlx_spec.PromptLookupDrafter` whose settings each sequence copies into its
-            own index.
+            own index; or ``"mtp"`` (or an :class:`mlx_spec.MTPDrafter`): the target's MTP head
+            (:mod:`mlx_spec.batch_mtp`; one layer), which needs no draft model.
         num_draft_tokens (int or list of int): the most draft tokens a round, in
             ``[0, MAX_DRAFT_TOKENS]``, for all prompts or one per prompt (``0``: that sequence
             does not draft). Default: ``3``.
@@ -913,7 +985,7 @@ def batch_generate(
     """
     op = "mlx_spec.batch_generate"
     check_batchable(op, "model", model)
-    copied = _check_drafter(op, draft_model, drafter)
+    copied = _check_drafter(op, model, draft_model, drafter)
     ids = _check_prompts(op, prompts, vocab_size(model))
     lengths = _per_prompt(op, "num_draft_tokens", num_draft_tokens, len(ids), 0, MAX_DRAFT_TOKENS)
     most = _per_prompt(op, "max_tokens", max_tokens, len(ids), 1, None)
@@ -1026,11 +1098,16 @@ class _Joining:
         done (int): the prompt tokens its caches hold.
         ends (list of int): the ends of its prompt's segments still ahead, ascending, each
             below the prompt's length.
+        start (int): the prompt tokens its caches held when it came.
+        hidden (list of array): with an MTP head, the ``[k, H]`` hidden states of each chunk
+            prefilled since.
     """
 
     entry: tuple[Any, ...]
     done: int
     ends: list[int]
+    start: int = 0
+    hidden: list[mx.array] = field(default_factory=list)
 
     @property
     def prompt(self) -> list[int]:
@@ -1057,9 +1134,12 @@ class _Prefill:
     between generation steps: one ``PromptProcessingBatch`` for the target and one for the
     draft model, row ``i`` of each holding :attr:`rows` ``[i]``'s prompt so far."""
 
-    def __init__(self, models: list[nn.Module], step: int) -> None:
+    def __init__(
+        self, models: list[nn.Module], step: int, capture: Capturing | None = None
+    ) -> None:
         self.models = models
         self.step = step
+        self.capture = capture
         self.rows: list[_Joining] = []
         self.batches: list[PromptProcessingBatch] = []
 
@@ -1075,7 +1155,7 @@ class _Prefill:
         for entry in entries:
             started = entry[6]
             count = held(started) if started is not None else 0
-            row = _Joining(entry, count, [e for e in entry[8] if e > count])
+            row = _Joining(entry, count, [e for e in entry[8] if e > count], count)
             own = started or [c for model in self.models for c in make_prompt_cache(model)]
             if count == len(row.prompt) - 1:
                 prefilled.append((row, own))
@@ -1090,14 +1170,14 @@ class _Prefill:
         # mlx-lm's filter takes every per-row list, samplers and processors included (unused).
         made = [
             PromptProcessingBatch(
-                m,
+                self.capture if k == 0 and self.capture is not None else m,
                 list(uids),
                 c,
                 prefill_step_size=self.step,
                 samplers=[None] * len(uids),
                 logits_processors=[[] for _ in uids],
             )
-            for m, c in zip(self.models, caches, strict=True)
+            for k, (m, c) in enumerate(zip(self.models, caches, strict=True))
         ]
         if self.batches:
             for batch, more in zip(self.batches, made, strict=True):
@@ -1115,6 +1195,10 @@ class _Prefill:
             return []
         for batch in self.batches:
             batch.prompt(chunks)
+        states = self.capture.rows([len(c) for c in chunks]) if self.capture is not None else []
+        for row, rows in zip(self.rows, states, strict=False):
+            if rows.size:
+                row.hidden.append(rows)
         responses = []
         for row, chunk in zip(self.rows, chunks, strict=True):
             row.done += len(chunk)
@@ -1168,8 +1252,9 @@ class SpeculativeBatchGenerator:
         model (nn.Module): the target model; its caches must batch
             (:func:`mlx_spec.batch_caches.check_batchable`).
         draft_model (nn.Module, optional): a draft model, run as a batch. Give it or ``drafter``.
-        drafter (str or PromptLookupDrafter, optional): ``"prompt-lookup"``, or a
-            :class:`mlx_spec.PromptLookupDrafter` each sequence copies.
+        drafter (str or Drafter, optional): ``"prompt-lookup"``, or a
+            :class:`mlx_spec.PromptLookupDrafter` each sequence copies; or ``"mtp"``, the
+            target's MTP head (:func:`batch_generate`).
         num_draft_tokens (int): the most draft tokens a round, in ``[0, MAX_DRAFT_TOKENS]``.
             Default: ``3``.
         adaptive (bool): adapt the draft lengths to the load (:class:`BatchAdaptive`, one for
@@ -1200,7 +1285,7 @@ class SpeculativeBatchGenerator:
         model: nn.Module,
         *,
         draft_model: nn.Module | None = None,
-        drafter: str | PromptLookupDrafter | None = None,
+        drafter: str | Drafter | None = None,
         num_draft_tokens: int = 3,
         adaptive: bool = True,
         policy: BatchAdaptive | None = None,
@@ -1215,7 +1300,7 @@ class SpeculativeBatchGenerator:
     ) -> None:
         op = "SpeculativeBatchGenerator"
         check_batchable(op, "model", model)
-        self._drafter = _check_drafter(op, draft_model, drafter)
+        self._drafter = _check_drafter(op, model, draft_model, drafter)
         self.num_draft_tokens = check_int(
             op, "num_draft_tokens", num_draft_tokens, 0, MAX_DRAFT_TOKENS
         )
@@ -1255,7 +1340,9 @@ class SpeculativeBatchGenerator:
         # caches to start from, stop sequences, segment ends, logits processors).
         self._waiting: deque[tuple[Any, ...]] = deque()
         models = [model] + ([draft_model] if draft_model is not None else [])
-        self._prefill = _Prefill(models, self.prefill_step_size)
+        mtp = isinstance(self._drafter, MTPDrafter)
+        capture = Capturing(_mlx_lm.split(model)) if mtp else None
+        self._prefill = _Prefill(models, self.prefill_step_size, capture)
         # Prefilled sequences waiting for the plain step in flight, with their caches.
         self._ready: list[tuple[_Joining, list[Any]]] = []
         self._batch: SpeculativeBatch | None = None
@@ -1288,8 +1375,8 @@ class SpeculativeBatchGenerator:
         total += self._prefill.nbytes + sum(c.nbytes for _, cs in self._ready for c in cs)
         if self._batch is not None:
             total += self._batch.cache.nbytes
-            if self._batch.draft_cache is not None:
-                total += self._batch.draft_cache.nbytes
+            for more in (self._batch.draft_cache, self._batch.head):
+                total += more.nbytes if more is not None else 0
         return total
 
     def insert(
@@ -1489,6 +1576,7 @@ class SpeculativeBatchGenerator:
             list(column) for column in zip(*entries, strict=True)
         )
         started = [caches for _, caches in self._ready]
+        rows = [row for row, _ in self._ready]
         self._ready = []
         batch = SpeculativeBatch(
             self.model,
@@ -1508,6 +1596,10 @@ class SpeculativeBatchGenerator:
             stop_sequences=stops,
             logits_processors=processors,
         )
+        if batch.head is not None:
+            # What the head reads of each prompt: the hidden states of the chunks prefilled.
+            for s, row in zip(batch.sequences, rows, strict=True):
+                s.seen, s.hidden = row.start, row.hidden
         if self._batch is None or not len(self._batch):
             self._batch = batch
         else:

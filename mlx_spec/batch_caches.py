@@ -108,16 +108,26 @@ class BatchCaches:
 
     Args:
         model (nn.Module): the model (it passed :func:`check_batchable`).
-        layers (list): its batch caches, one per layer: ``BatchKVCache`` and ``ArraysCache``.
+        layers (list): its batch caches, one per layer: ``BatchKVCache``,
+            ``BatchRotatingKVCache`` and ``ArraysCache``.
+        split (Split, optional): the model as backbone and head
+            (:func:`mlx_spec._mlx_lm.split`), where a drafter reads its hidden states.
+            Default: none.
 
     Attributes:
         model (nn.Module): the model.
         layers (list): the caches, updated in place (:meth:`keep` replaces some of them).
+        hidden (array, optional): with ``split``, the ``[B, W, H]`` hidden states of the last
+            call's positions.
     """
 
-    def __init__(self, model: nn.Module, layers: list[Any]) -> None:
+    def __init__(
+        self, model: nn.Module, layers: list[Any], split: _mlx_lm.Split | None = None
+    ) -> None:
         self.model = model
         self.layers = layers
+        self.split = split
+        self.hidden: mx.array | None = None
         # Since the last keep: the recurrent layers' entries before the first call made to be
         # taken back, and after each position it and the calls after it fed.
         self._before: list[list[Any]] | None = None
@@ -142,11 +152,11 @@ class BatchCaches:
             _mlx_lm.windows_in_order(self.layers)
         recurrent = self._recurrent
         if not (undoable and recurrent):
-            return self.model(tokens, cache=self.layers)
+            return self._forward(tokens)
         if self._before is None:
             self._before = [list(self.layers[i].cache) for i in recurrent]
         with _mlx_lm.tracking() as records:
-            logits = self.model(tokens, cache=self.layers)
+            logits = self._forward(tokens)
         width = tokens.shape[1]
         if len(records) != len(recurrent) or any(len(r.states) != width for r in records):
             raise RuntimeError(
@@ -155,6 +165,12 @@ class BatchCaches:
             )
         self._after += [[r.after(j) for r in records] for j in range(1, width + 1)]
         return logits
+
+    def _forward(self, tokens: mx.array) -> mx.array:
+        if self.split is None:
+            return self.model(tokens, cache=self.layers)
+        self.hidden = self.split.backbone(tokens, cache=self.layers)
+        return self.split.head(self.hidden)
 
     def keep(self, fed: int, kept: list[int]) -> None:
         """Takes each row back after calls that fed ``fed`` positions to every row, those that

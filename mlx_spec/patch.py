@@ -32,12 +32,13 @@
   above :data:`~mlx_spec.draft_length.MAX_DRAFT_TOKENS`, else 500, with ``{"error": message}``;
   in a stream whose 200 status was sent, an error event and ``data: [DONE]``); a prompt that the
   prompt cache holds exactly is answered, its last token fed again; the generation thread ends
-  with ``mx.clear_streams()``; with ``mtp=True``, the requests to a model with an MTP head and no
-  draft model are served one at a time through ``stream_generate``, which drafts with the head,
-  instead of batched. The requests to a model with a draft model, or with ``prompt_lookup=True``
-  without one, are batched speculatively (:mod:`mlx_spec.serving`) where both models' caches
-  batch (all ``KVCache``); a request with logits processors (a logit bias or a penalty), a seed
-  or more draft tokens than the server's ``--num-draft-tokens`` is served one at a time.
+  with ``mx.clear_streams()``. The requests to a model with a draft model, or without one with
+  its MTP head (``mtp=True``) or ``prompt_lookup=True``, are batched speculatively
+  (:mod:`mlx_spec.serving`) where the models' caches and the head batch
+  (:func:`mlx_spec.batch_caches.check_batchable`, :func:`mlx_spec.batch_mtp.check_head`); a
+  model whose head does not batch (several layers) is served one request at a time through
+  ``stream_generate``, which drafts with the head. A request with a seed or more draft tokens
+  than the server's ``--num-draft-tokens`` is served one at a time.
 
 :func:`unpatch_mlx_lm` undoes it.
 """
@@ -53,7 +54,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import GenerationResponse
 
-from . import _mlx_lm, batch, batch_caches, generation, mtp_convert, serving
+from . import _mlx_lm, batch, batch_caches, batch_mtp, generation, mtp_convert, serving
 from ._mlx_lm import lm
 from .batch_length import BatchAdaptive
 from .mtp import head_of
@@ -142,25 +143,28 @@ def _default_drafter(model: Any) -> str | None:
 
 def _serial(model: Any) -> bool:
     """Whether the patched server serves ``model``'s requests one at a time, each through
-    :func:`_stream_generate`: where that drafts for it with no draft model (its MTP head)."""
-    return _default_drafter(model) == "mtp"
+    :func:`_stream_generate`: where that drafts for it with its MTP head, and its batches cannot
+    (a head of several layers, caches that do not batch)."""
+    return _default_drafter(model) == "mtp" and _server_batches(model, None) is None
 
 
 def _server_batches(model: Any, draft_model: Any) -> Callable[..., Any] | None:
     """The maker of the generator that batches the patched server's requests to ``model``
     speculatively (:class:`mlx_spec.serving.ServerBatchGenerator`): with its draft model, or
-    without one with ``prompt_lookup=True``; ``None`` where they do not speculate or a model's
-    caches do not batch (they are then served as mlx-lm serves them)."""
-    if draft_model is None and _default_drafter(model) != "prompt-lookup":
+    without one with its MTP head (``mtp=True``) or ``prompt_lookup=True``; ``None`` where they
+    do not speculate or do not batch (they are then served as mlx-lm serves them)."""
+    drafter = None if draft_model is not None else _default_drafter(model)
+    if draft_model is None and drafter is None:
         return None
     op = "mlx_lm.server (patched)"
     try:
         batch_caches.check_batchable(op, "model", model)
         if draft_model is not None:
             batch_caches.check_batchable(op, "draft_model", draft_model, draft=True)
+        if drafter == "mtp":
+            batch_mtp.check_head(op, model, drafter)
     except ValueError:
         return None
-    drafter = None if draft_model is not None else "prompt-lookup"
     # One draft-length policy per loaded model and --num-draft-tokens, kept by every generator
     # the server makes for it: the server makes a new one after each drain (a request that does
     # not batch, a seeded one), and the costs measured at each batch size still hold.
@@ -231,8 +235,9 @@ def _batch_generate(*args: Any, **kwargs: Any) -> Any:
     """mlx-lm's ``batch_generate`` while patched: it also takes ``draft_model`` and
     ``num_draft_tokens`` (mlx-spec's default: ``3``, adapted to the load).
 
-    With a draft model, or without one and with ``prompt_lookup=True``, the prompts decode in
-    mlx-spec's batches (:func:`mlx_spec.batch.batch_generate`). mlx-lm's own runs instead where
+    With a draft model, or without one with the model's MTP head (``mtp=True``) or
+    ``prompt_lookup=True``, the prompts decode in mlx-spec's batches
+    (:func:`mlx_spec.batch.batch_generate`). mlx-lm's own runs instead where
     the call needs what those do not take yet: ``prompt_caches``, ``max_kv_size``, a
     ``stream``, or a model whose caches do not batch (recurrent layers other than gated
     delta-nets, a draft model's sliding windows). Where
@@ -243,7 +248,8 @@ def _batch_generate(*args: Any, **kwargs: Any) -> Any:
     bound = _LM_BATCH_SIGNATURE.bind(*args, **kwargs)
     arguments = dict(bound.arguments)
     options = arguments.pop("kwargs", {})
-    if draft_model is None and not _options["prompt_lookup"]:
+    drafter = None if draft_model is not None else _default_drafter(arguments["model"])
+    if draft_model is None and drafter is None:
         return _lm_batch_generate(*args, **kwargs)
     refused = [name for name in ("prompt_caches",) if arguments.get(name) is not None]
     refused += [
@@ -253,6 +259,8 @@ def _batch_generate(*args: Any, **kwargs: Any) -> Any:
     ]
     try:
         batch_caches.check_batchable("mlx_lm.batch_generate", "model", arguments["model"])
+        if drafter == "mtp":
+            batch_mtp.check_head("mlx_lm.batch_generate", arguments["model"], drafter)
     except ValueError:
         refused.append("model")
     if refused and draft_model is not None:
@@ -268,7 +276,7 @@ def _batch_generate(*args: Any, **kwargs: Any) -> Any:
         arguments.pop("tokenizer"),
         arguments.pop("prompts"),
         draft_model=draft_model,
-        drafter=None if draft_model is not None else "prompt-lookup",
+        drafter=drafter,
         num_draft_tokens=num_draft_tokens,
         **arguments,
         **{name: options[name] for name in _BATCH_OPTIONS if name in options},
@@ -288,8 +296,8 @@ def patch_mlx_lm(*, prompt_lookup: bool = False, mtp: bool = False) -> None:
         mtp (bool): also make mlx-lm's ``load``, the ``mlx_lm.generate`` command and the server
             load a model's MTP head where its folder has one (:func:`mlx_spec.mtp_convert.load`),
             and make mlx-lm's generation without a draft model (``stream_generate``,
-            ``generate``, the command, and the server, which then serves such a model's requests
-            one at a time) draft with the head of a model that has one, with
+            ``generate``, ``batch_generate``, the command, and the server's batches) draft with
+            the head of a model that has one, with
             ``num_draft_tokens`` drafts a round. With ``prompt_lookup`` too, a model without a
             head drafts by prompt lookup. Default: ``False``.
 

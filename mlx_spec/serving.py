@@ -24,7 +24,7 @@ import mlx.nn as nn
 from .batch import PromptResponse, SpeculativeBatchGenerator
 from .batch_caches import cache_kinds, held_tokens
 from .batch_length import BatchAdaptive
-from .drafters import PromptLookupDrafter
+from .drafters import Drafter
 
 __all__ = ["ServerBatchGenerator"]
 
@@ -42,7 +42,8 @@ class ServerBatchGenerator:
         model (nn.Module): the target model; its caches must batch
             (:func:`mlx_spec.batch_caches.check_batchable`).
         draft_model (nn.Module, optional): a draft model, run as a batch. Give it or ``drafter``.
-        drafter (str or PromptLookupDrafter, optional): ``"prompt-lookup"``.
+        drafter (str or PromptLookupDrafter, optional): ``"prompt-lookup"``, or ``"mtp"`` (the
+            model's MTP head).
         num_draft_tokens (int): the most draft tokens a round, the server's
             ``--num-draft-tokens``. Default: ``3``.
         policy (BatchAdaptive, optional): the adaptive draft-length policy, to keep what it
@@ -62,7 +63,7 @@ class ServerBatchGenerator:
         model: nn.Module,
         *,
         draft_model: nn.Module | None = None,
-        drafter: str | PromptLookupDrafter | None = None,
+        drafter: str | Drafter | None = None,
         num_draft_tokens: int = 3,
         policy: BatchAdaptive | None = None,
         completion_batch_size: int = 32,

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
-from helpers import ByteTokenizer
+from helpers import ByteTokenizer, run
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import (
     ArraysCache,
@@ -710,3 +710,82 @@ def test_batch_generate_decodes_in_turns_under_completion_batch_size(
     )
     assert turns.token_ids == whole.token_ids
     assert max(most) == 2 and len(most) > 12
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "deepseek_v3"])
+def mtp_model(request):
+    """A tiny model with its MTP head attached (Qwen's layout, and DeepSeek's)."""
+    from tiny_models import tiny_mtp_pair
+
+    from mlx_spec.mtp import attach
+
+    model, head = tiny_mtp_pair(request.param)
+    attach(model, head)
+    return model
+
+
+@pytest.mark.parametrize("lengths", ["fixed", "adaptive"])
+def test_mtp_heads_give_mlx_lms_batched_tokens(mtp_model, tokenizer, lengths):
+    chosen = {"fixed": {"adaptive": False}, "adaptive": {}}[lengths]
+    want = plain(mtp_model, tokenizer, PROMPTS, 30)
+    got = speculative(mtp_model, tokenizer, PROMPTS, 30, drafter="mtp", num_draft_tokens=3,
+                      **chosen)  # fmt: skip
+    assert got.token_ids == want
+
+
+def test_a_batch_of_one_drafts_what_its_head_drafts_alone(mtp_model, tokenizer):
+    # The head sees each row's prompt, its rounds' kept positions and its plain steps as the
+    # single-sequence MTP drafter sees them: the same drafts, so the same number of rounds
+    # (prompts of one token excepted: the batch's pipelined plain steps start one step ahead).
+    for prompt in (PROMPTS[0], PROMPTS[2], PROMPTS[3]):
+        got = speculative(mtp_model, tokenizer, [prompt], 30, drafter="mtp", num_draft_tokens=3,
+                          adaptive=False)  # fmt: skip
+        tokens, flags, stats = run(
+            prompt, mtp_model, None, drafter="mtp", num_draft_tokens=3, max_tokens=30,
+            adaptive=False,
+        )  # fmt: skip
+        assert got.token_ids[0] == tokens
+        assert sum(flags) >= 10  # the head's drafts are mostly kept
+        assert got.stats.generation_steps == stats.rounds
+
+
+def test_sampled_rows_with_a_head_are_their_generations_alone(mtp_model, tokenizer):
+    got = speculative(mtp_model, tokenizer, PROMPTS, 24, drafter="mtp", sampler=SAMPLERS,
+                      keys=KEYS, num_draft_tokens=[3, 2, 4, 1])  # fmt: skip
+    for i, (prompt, sampler, key) in enumerate(zip(PROMPTS, SAMPLERS, KEYS, strict=True)):
+        single = alone(mtp_model, None, "mtp", prompt, sampler, key, 24)
+        eos = [k for k, token in enumerate(single) if token in tokenizer.eos_token_ids]
+        assert got.token_ids[i] == single[: (eos or [len(single)])[0]], i
+
+
+def test_a_generator_with_a_head_prefills_in_chunks_and_gives_mlx_lms_tokens(mtp_model, tokenizer):
+    # Prompts prefilled 8 tokens a call (the head reads each chunk's hidden states), joining and
+    # leaving as in test_sequences_join_and_leave_as_in_mlx_lms_batch_generator.
+    max_tokens = [24, 40, 18, 20]
+    eos = list(tokenizer.eos_token_ids)
+    theirs = BatchGenerator(mtp_model, stop_tokens=[[t] for t in eos])
+    want, _ = drive(theirs.insert, theirs.remove, theirs.next_generated, max_tokens)
+    theirs.close()
+    mine = mlx_spec.SpeculativeBatchGenerator(
+        mtp_model, eos_token_ids=eos, drafter="mtp", adaptive=False, prefill_step_size=8
+    )
+    calls = []
+    got, (caches, held) = drive(
+        mine.insert, mine.remove, lambda: calls.append(mine.next()) or calls[-1], max_tokens
+    )
+    assert [got[k] for k in "ACD"] == [want[k] for k in "ACD"]
+    assert held == PROMPTS[2] + got["B"]
+    assert len(caches) == len(make_prompt_cache(mtp_model))  # the target's alone
+    # Rounds emitted several tokens of one sequence: the head drafted what was kept.
+    assert max(sum(r.uid == u for r in c) for c in calls for u in {r.uid for r in c}) >= 3
+
+
+def test_a_model_without_a_usable_head_is_refused(tokenizer):
+    from mlx_spec.mtp import attach, new_head
+
+    with pytest.raises(ValueError, match=r"`drafter` is 'mtp', but `model` has no MTP head"):
+        mlx_spec.batch_generate(tiny_llama(0), tokenizer, [[1, 2]], drafter="mtp")
+    model = tiny_qwen3_5(0)
+    attach(model, new_head(model, "qwen", layers=2))
+    with pytest.raises(ValueError, match=r"a head of one layer, got 2"):
+        mlx_spec.batch_generate(model, tokenizer, [[1, 2]], drafter="mtp")

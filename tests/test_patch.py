@@ -31,7 +31,7 @@ from mlx_spec.generation import (
     speculative_generate_step,
     stream_generate,
 )
-from mlx_spec.mtp import MTPHead, head_of
+from mlx_spec.mtp import MTPDrafter, MTPHead, head_of
 from mlx_spec.patch import patch_mlx_lm, unpatch_mlx_lm
 from mlx_spec.serving import ServerBatchGenerator
 
@@ -478,11 +478,13 @@ def test_a_bad_mtp_is_refused_before_any_work(mtp) -> None:
     assert loaders() == [lm.load] * len(LOADERS)
 
 
-def test_patched_server_serves_a_model_with_a_head_one_request_at_a_time(
-    mtp_folders, drafters_seen
-) -> None:
-    # The server batches the requests to a model when ModelProvider._load finds it batchable;
-    # otherwise it serves each through its stream_generate, which then drafts with the head.
+def test_patched_server_batches_a_model_with_a_head(mtp_folders, drafters_seen) -> None:
+    # ModelProvider._load finds a model with a head of one layer batchable: the server's batches
+    # draft with it. A head of two layers does not batch: its requests are served one at a time,
+    # each through stream_generate, which drafts with the head.
+    from mlx_spec import patch
+    from mlx_spec.mtp import attach, new_head
+
     server = pytest.importorskip("mlx_lm.server")
     folder, bare = mtp_folders
 
@@ -503,11 +505,20 @@ def test_patched_server_serves_a_model_with_a_head_one_request_at_a_time(
     assert head_of(without.model) is None and without.is_batchable  # the control
     assert provider(bare, mtp=True).is_batchable
     served = provider(folder, mtp=True)
-    assert isinstance(head_of(served.model), MTPHead) and not served.is_batchable
+    assert isinstance(head_of(served.model), MTPHead) and served.is_batchable
     prompt = served.tokenizer.encode(MTP_PROMPT)
     plain = [t for t, _ in generate_step(mx.array(prompt), served.model, max_tokens=40)]
     patch_mlx_lm(mtp=True)
     try:
+        served = server.ModelProvider(served.cli_args)
+        served.load("default_model", None, "default_model")
+        generator = server.BatchGenerator(served.model)
+        (uid,) = generator.insert_segments([[prompt]], max_tokens=[40])
+        batched = []
+        for _ in range(200):
+            batched += [r.token for r in generator.next()[1] if r.uid == uid]
+            if not len(generator):
+                break
         tokens = [
             r.token
             for r in server.stream_generate(
@@ -516,10 +527,16 @@ def test_patched_server_serves_a_model_with_a_head_one_request_at_a_time(
                 num_draft_tokens=3,
             )
         ]  # fmt: skip
+        two = served.model
+        attach(two, new_head(two, "qwen", layers=2))
+        serial = patch._serial(two)
     finally:
         unpatch_mlx_lm()
-    assert tokens == plain
+    assert isinstance(generator.generator._drafter, MTPDrafter)
+    assert generator.generator._batch is None or not len(generator.generator._batch)
+    assert batched == tokens == plain
     assert drafters_seen and set(drafters_seen) == {"MTPDrafter"}
+    assert serial
 
 
 def test_patching_again_probes_mlx_lms_own_parts_not_the_replacements() -> None:
