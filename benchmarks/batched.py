@@ -13,7 +13,9 @@ Methods, on the shipped demo pair (``mlx_spec/demo``) at each batch size of ``--
 - ``lookup adaptive`` and ``draft adaptive``: the same with draft lengths that adapt to the load
   (:class:`mlx_spec.BatchAdaptive`, up to ``--draft-tokens``), one policy per method kept over
   all its runs, the untimed first uses included, as a server would keep it: a batch size's costs
-  are measured in the first runs that meet it.
+  are measured in the first runs that meet it;
+- ``mtp`` and ``mtp adaptive``: the same with the demo target's own MTP head
+  (:mod:`mlx_spec.batch_mtp`).
 
 A batch of ``B`` requests takes the workload's prompts in turn (``input-grounded``: text that the
 output repeats; ``open``: the demo's prompts), each with its own key where it samples. Every
@@ -49,6 +51,7 @@ from mlx_spec import _mlx_lm, bench
 from mlx_spec.batch import SpeculativeBatch
 from mlx_spec.batch_length import BatchAdaptive
 from mlx_spec.drafters import PromptLookupDrafter
+from mlx_spec.mtp import MTPDrafter, head_of
 from mlx_spec.sampling import make_sampler
 
 WORKLOADS = ("input-grounded", "open")
@@ -59,6 +62,8 @@ METHODS = (
     "draft",
     "lookup adaptive",
     "draft adaptive",
+    "mtp",
+    "mtp adaptive",
 )
 #: The method the others are compared with.
 BASELINE = "BatchGenerator"
@@ -193,6 +198,10 @@ def runners(
             target, eos, temp, n, BatchAdaptive(n), drafter=PromptLookupDrafter()
         ),
         "draft adaptive": speculative(target, eos, temp, n, BatchAdaptive(n), draft_model=draft),
+        "mtp": speculative(target, eos, temp, n, drafter=MTPDrafter(head_of(target))),
+        "mtp adaptive": speculative(
+            target, eos, temp, n, BatchAdaptive(n), drafter=MTPDrafter(head_of(target))
+        ),
     }
 
 
