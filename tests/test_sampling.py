@@ -266,10 +266,19 @@ def _check_masks_equal_mlx_lm(row, dtype, top_p, min_p, keep, top_k):
 
 
 @pytest.mark.quick_only
+@pytest.mark.eager  # mlx-lm's filters, compiled, bake each example's value into new kernels
 @settings(max_examples=20)
 @given(**_mask_settings)
 def test_masks_equal_mlx_lm_on_a_few_tied_rows(row, dtype, top_p, min_p, keep, top_k):
     _check_masks_equal_mlx_lm(row, dtype, top_p, min_p, keep, top_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_masks_equal_mlx_lms_compiled_filters(dtype):
+    # The sweeps above run mlx-lm's filters uncompiled; here its compiled ones, on tied rows
+    # with -inf, at one value of each filter.
+    for row in (TIED, [-1.0, -0.5, -0.5, -math.inf, -3.0, -0.5]):
+        _check_masks_equal_mlx_lm(row, dtype, top_p=0.55, min_p=0.3, keep=2, top_k=2)
 
 
 @pytest.mark.slow
