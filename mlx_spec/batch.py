@@ -30,15 +30,16 @@ from __future__ import annotations
 import copy
 import time
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.generate import BatchResponse, GenerationBatch, PromptProcessingBatch
-from mlx_lm.generate_utils import BatchStats
+from mlx_lm.generate_utils import BatchCounters, BatchCountersSnapshot, BatchStats
 from mlx_lm.models.cache import make_prompt_cache
 
 from . import _mlx_lm
@@ -1142,6 +1143,8 @@ class _Prefill:
         self.capture = capture
         self.rows: list[_Joining] = []
         self.batches: list[PromptProcessingBatch] = []
+        #: The prompt tokens prefilled so far.
+        self.tokens = 0
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -1195,6 +1198,7 @@ class _Prefill:
             return []
         for batch in self.batches:
             batch.prompt(chunks)
+        self.tokens += sum(map(len, chunks))
         states = self.capture.rows([len(c) for c in chunks]) if self.capture is not None else []
         for row, rows in zip(self.rows, states, strict=False):
             if rows.size:
@@ -1346,6 +1350,7 @@ class SpeculativeBatchGenerator:
         # Prefilled sequences waiting for the plain step in flight, with their caches.
         self._ready: list[tuple[_Joining, list[Any]]] = []
         self._batch: SpeculativeBatch | None = None
+        self._counters = BatchCounters()
 
     def __len__(self) -> int:
         """int: the sequences running, being prefilled or waiting."""
@@ -1559,7 +1564,10 @@ class SpeculativeBatchGenerator:
             taken = self._prefill.take(self._prefill.ready())
             if room > 0:
                 taken += self._prefill.add([self._waiting.popleft() for _ in range(room)])
+            before, tic = self._prefill.tokens, time.perf_counter()
             prompted = self._prefill.chunk()
+            self._counters.prompt_tokens += self._prefill.tokens - before
+            self._counters.prompt_time += time.perf_counter() - tic
             prompted += [row.response(joins=True) for row, _ in taken]
             self._ready += taken
             if self._ready:
@@ -1567,7 +1575,32 @@ class SpeculativeBatchGenerator:
                     self._batch.settle()
                 else:
                     self._join()
-            return prompted, self._batch.next() if self._batch is not None else []
+            if self._batch is None or not len(self._batch):
+                return prompted, []
+            tic = time.perf_counter()
+            generated = self._batch.next()
+            self._counters.decode_time += time.perf_counter() - tic
+            self._counters.generation_tokens += len(generated)
+            self._counters.generation_steps += 1
+            return prompted, generated
+
+    @contextmanager
+    def stats(self) -> Iterator[BatchStats]:
+        """The work the generator does while the block runs, as mlx-lm's
+        ``BatchGenerator.stats`` counts it: ``prompt_tokens`` and ``prompt_time`` of the
+        prefill, ``generation_tokens``, ``generation_steps`` (rounds and plain steps) and
+        ``decode_time`` of the batch, ``wall_time`` and ``peak_memory``.
+
+        Yields:
+            BatchStats: mlx-lm's, filled in when the block ends.
+        """
+        stats = BatchStats()
+        start = BatchCountersSnapshot(**asdict(self._counters))
+        try:
+            yield stats
+        finally:
+            end = BatchCountersSnapshot(**asdict(self._counters))
+            stats += BatchCountersSnapshot.between(start, end)
 
     def _join(self) -> None:
         """Adds the prefilled sequences to the batch."""

@@ -789,3 +789,29 @@ def test_a_model_without_a_usable_head_is_refused(tokenizer):
     attach(model, new_head(model, "qwen", layers=2))
     with pytest.raises(ValueError, match=r"a head of one layer, got 2"):
         mlx_spec.batch_generate(model, tokenizer, [[1, 2]], drafter="mtp")
+
+
+def test_generator_stats_count_the_prefill_and_the_batch(tokenizer):
+    # As mlx-lm's BatchGenerator.stats: the tokens prefilled (all of each prompt but its last,
+    # which the first round feeds), the tokens emitted, the calls that ran the batch, and
+    # times that add up to no more than the block's.
+    model = tiny_llama(0)
+    generator = mlx_spec.SpeculativeBatchGenerator(model, drafter="prompt-lookup")
+    with generator.stats() as outer:
+        generator.insert(PROMPTS[:2], max_tokens=10)
+        with generator.stats() as first:
+            first_responses = generator.next()
+        emitted = len(first_responses)
+        calls, with_tokens = 1, bool(first_responses)
+        generator.insert(PROMPTS[2:], max_tokens=10)
+        while len(generator):
+            emitted += len(responses := generator.next())
+            calls, with_tokens = calls + 1, with_tokens + bool(responses)
+    assert first.prompt_tokens == len(PROMPTS[0]) + len(PROMPTS[1]) - 2
+    # The one-token prompt joins at once: the first call also runs the batch.
+    assert first.generation_steps == 1 and first.generation_tokens == len(first_responses)
+    assert outer.prompt_tokens == sum(len(p) - 1 for p in PROMPTS)
+    assert outer.generation_tokens == emitted == 40
+    assert with_tokens <= outer.generation_steps <= calls
+    assert 0 < outer.prompt_time + outer.decode_time <= outer.wall_time
+    assert first.wall_time <= outer.wall_time and outer.peak_memory > 0
