@@ -96,10 +96,10 @@ class BatchHead:
         self.layers = [BatchKVCache([0] * rows)]
 
     def _step(self, hidden: mx.array, embedded: mx.array, depth: int) -> tuple[mx.array, mx.array]:
-        """One head call over ``[B, W, H]`` positions: the states to chain on, and the logits."""
+        """One head call over ``[B, W, H]`` positions: the states to chain on, and the input of
+        the LM head (the logits are taken only where a draft is drawn)."""
         mask = create_attention_mask(hidden, self.layers[0], return_array=True)
-        chain, normed = self.head(hidden, embedded, depth, self.layers[0], mask)
-        return chain, self.split.head(normed)
+        return self.head(hidden, embedded, depth, self.layers[0], mask)
 
     def draft(
         self,
@@ -140,14 +140,14 @@ class BatchHead:
         if self.head.layout == "deepseek" and any(first):
             starts = mx.array(first)[:, None, None] & (mx.arange(width) == 0)[None, :, None]
             embedded = mx.where(starts, mx.zeros_like(embedded), embedded)
-        chain, logits = self._step(states, embedded, 0)
+        chain, normed = self._step(states, embedded, 0)
         at = mx.array([max(k - 1, 0) for k in counts])[:, None, None]
         chain = mx.take_along_axis(chain, at, axis=1)
-        drafted = [draw(mx.take_along_axis(logits, at, axis=1), 0)]
+        drafted = [draw(self.split.head(mx.take_along_axis(normed, at, axis=1)), 0)]
         self.layers[:] = [_mlx_lm.keep_rows(self.layers[0], width, counts)]
         for j in range(1, n):
-            chain, logits = self._step(chain, self.split.embed(drafted[-1][:, None]), j)
-            drafted.append(draw(logits, j))
+            chain, normed = self._step(chain, self.split.embed(drafted[-1][:, None]), j)
+            drafted.append(draw(self.split.head(normed), j))
         if n > 1:
             self.layers[:] = [_mlx_lm.keep_rows(self.layers[0], n - 1, [0] * len(counts))]
         return mx.stack(drafted, axis=1).astype(mx.uint32)
