@@ -370,8 +370,9 @@ class SpeculativeBatch:
             model, prompts, prefill_step_size, started, Capturing(split) if mtp else None
         )
         self.cache = BatchCaches(model, layers, split=split)
-        for s, start, rows in zip(self.sequences, done, states, strict=False):
-            s.seen, s.hidden = start, [rows] if rows.size else []
+        if mtp:
+            for s, start, rows in zip(self.sequences, done, states, strict=True):
+                s.seen, s.hidden = start, [rows] if rows.size else []
         self.draft_cache = (
             BatchCaches(
                 draft_model, _prefill(draft_model, prompts, prefill_step_size, started_drafts)[0]
@@ -431,15 +432,13 @@ class SpeculativeBatch:
     def _draft_with_head(self, n: int) -> mx.array:
         """``[B, n]`` uint32: the MTP head's tokens after each row's text, lazy
         (:meth:`BatchHead.draft`), from the hidden states it had not seen."""
-        hidden = [
-            mx.concatenate(s.hidden) if s.hidden else mx.zeros((0, 0)) for s in self.sequences
-        ]
-        counts = [h.shape[0] if h.size else 0 for h in hidden]
+        counts = [sum(h.shape[0] for h in s.hidden) for s in self.sequences]
         after = [
             s.text.ids(s.seen + 1, s.seen + 1 + k)
             for s, k in zip(self.sequences, counts, strict=True)
         ]
         first = [s.seen == 0 for s in self.sequences]
+        hidden = [s.hidden for s in self.sequences]
         tokens = self.head.draft(hidden, after, first, n, self._drawer(n))
         for s, k in zip(self.sequences, counts, strict=True):
             s.seen, s.hidden = s.seen + k, []

@@ -128,14 +128,12 @@ class BatchCaches:
         self.layers = layers
         self.split = split
         self.hidden: mx.array | None = None
+        # Which layers are recurrent: the model's cache kinds, which extend and filter keep.
+        self._recurrent = [i for i, layer in enumerate(layers) if _is_recurrent(layer)]
         # Since the last keep: the recurrent layers' entries before the first call made to be
         # taken back, and after each position it and the calls after it fed.
         self._before: list[list[Any]] | None = None
         self._after: list[list[list[Any]]] = []
-
-    @property
-    def _recurrent(self) -> list[int]:
-        return [i for i, layer in enumerate(self.layers) if _is_recurrent(layer)]
 
     def __call__(self, tokens: mx.array, *, undoable: bool = False) -> mx.array:
         """The model's logits over ``tokens``, the caches updated.

@@ -103,7 +103,7 @@ class BatchHead:
 
     def draft(
         self,
-        hidden: Sequence[mx.array],
+        hidden: Sequence[Sequence[mx.array]],
         after: Sequence[Sequence[int]],
         first: Sequence[bool],
         n: int,
@@ -112,8 +112,9 @@ class BatchHead:
         """The head's ``n`` draft tokens for every row, lazy.
 
         Args:
-            hidden (list of array): for each row, ``[k_i, H]``: the target's hidden states of
-                the positions the head has not seen, ``k_i >= 1`` for at least one row.
+            hidden (list of list of array): for each row, ``[k, H]`` arrays in text order: the
+                target's hidden states of the ``k_i`` positions the head has not seen,
+                ``k_i >= 1`` for at least one row.
             after (list of list of int): for each row, the ``k_i`` tokens after those positions.
             first (list of bool): for each row, whether those positions start at the text's
                 first (DeepSeek's head was trained without an embedding there).
@@ -126,15 +127,14 @@ class BatchHead:
             caller does not use its tokens). The head's cache then holds every row's seen
             positions, the chain taken back.
         """
-        counts = [h.shape[0] if h.size else 0 for h in hidden]
+        counts = [len(ids) for ids in after]
         width = max(counts)
-        seen = next(h for h, k in zip(hidden, counts, strict=True) if k)
+        some = next(pieces[0] for pieces in hidden if pieces)
         rows, tokens = [], []
-        for h, k, ids in zip(hidden, counts, after, strict=True):
-            pad = width - k
-            blank = mx.zeros((width, seen.shape[1]), dtype=seen.dtype)
-            rows.append(mx.pad(h, [(0, pad), (0, 0)]) if k else blank)
-            tokens.append(list(ids) + [0] * pad)
+        for pieces, k, ids in zip(hidden, counts, after, strict=True):
+            pad = [mx.zeros((width - k, some.shape[1]), dtype=some.dtype)] if width > k else []
+            rows.append(mx.concatenate([*pieces, *pad]))
+            tokens.append(list(ids) + [0] * (width - k))
         states = mx.stack(rows)
         embedded = self.split.embed(mx.array(tokens, dtype=mx.uint32))
         if self.head.layout == "deepseek" and any(first):
