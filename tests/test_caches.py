@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from first_tokens import (
     POWER,
@@ -418,6 +419,19 @@ def draws(name, model, draft, make_cache, options, temp: float = 1.0):
         num_draft_tokens=2,
         **options,
     )
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_prefilled_runs_are_the_runs_on_new_caches(name: str) -> None:
+    # The statistical tests start each run from a copy of caches that hold the prompt's first
+    # tokens (first_tokens.sampled_pairs): every key must give the tokens it gives on new caches,
+    # rounds with rejections and rollbacks included (an unrelated draft for the hybrids).
+    model, draft, make_cache, options = _small(name)
+    args = (model, PROMPT, SMALL_VOCAB, 40, make_cache, draft)
+    kwargs = {"sampler": make_sampler(temp=1.0), "num_draft_tokens": 2, **options}
+    fresh = sampled_pairs(*args, prefilled=False, **kwargs)
+    assert (sampled_pairs(*args, **kwargs) == fresh).all()
+    assert np.count_nonzero(fresh) > 5  # varied pairs, not one repeated
 
 
 @pytest.mark.statistical

@@ -350,7 +350,7 @@ def branching(small, copied) -> list[int]:
 
 
 def lookup_pairs(
-    model, prompt, drafter, samples: int, sampler=None, acceptance="coupled"
+    model, prompt, drafter, samples: int, sampler=None, acceptance="coupled", prefilled=True
 ) -> np.ndarray:
     return sampled_pairs(
         model,
@@ -361,7 +361,19 @@ def lookup_pairs(
         drafter=drafter,
         num_draft_tokens=2,
         acceptance=acceptance,
+        prefilled=prefilled,
     )
+
+
+@pytest.mark.parametrize("acceptance", ["coupled", "residual"])
+def test_prefilled_lookup_runs_are_the_runs_on_new_caches(small, branching, acceptance) -> None:
+    # The statistical tests below start each run from caches holding the prompt's first tokens,
+    # which the drafter is given as cached_tokens (first_tokens.sampled_pairs): each key must
+    # give the tokens it gives on new caches, with lookup's proposals from the whole prompt.
+    drafter = PromptLookupDrafter(max_ngram=1, distribution=True)
+    fresh = lookup_pairs(small, branching, drafter, 40, acceptance=acceptance, prefilled=False)
+    assert (lookup_pairs(small, branching, drafter, 40, acceptance=acceptance) == fresh).all()
+    assert np.count_nonzero(fresh) > 5  # varied pairs, not one repeated
 
 
 def without_residual(probs, tokens, draft_probs, eos, key, **options):
