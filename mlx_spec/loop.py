@@ -261,6 +261,10 @@ class Target:
         """One plain step: runs the model on ``[k]`` tokens and returns the ``[1, V]`` logits of
         the last position (after the processors, ``context`` being the text up to it: ``None``
         without processors); lazy."""
+        # A stretch's steps are never undone past the latest checkpoint at the current length
+        # (the tokens fed so far are the text's); the older ones would hold every step's
+        # recurrent states.
+        self.cache.forget(self.cache.length)
         self.cache.checkpoint()
         logits = self.feed(tokens)[-1:]
         self.quantize(self.cache.layers)

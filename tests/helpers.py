@@ -1,5 +1,5 @@
-"""What the generation tests share: the prompt, a run of the loop, a minimal tokenizer, and a
-check of the benchmark's table."""
+"""What the generation tests share: the prompt, a run of the loop, a drafter that proposes
+nothing, a minimal tokenizer, and a check of the benchmark's table."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import statistics
 
 import mlx.core as mx
 
+from mlx_spec.drafters import Draft, Drafter
 from mlx_spec.generation import SpeculativeStats, speculative_generate_step
 
 PROMPT = [1, 2, 3, 4, 5]
@@ -23,6 +24,16 @@ def run(prompt, model, draft, **kwargs) -> tuple[list[int], list[bool], Speculat
         tokens.append(token)
         flags.append(from_draft)
     return tokens, flags, stats
+
+
+class Silent(Drafter):
+    """A free drafter that never proposes anything (a lookup that never matches): with adaptive
+    lengths every token comes from a plain step of the loop's stretches."""
+
+    free = True
+
+    def propose(self, text, n, keys) -> Draft:
+        return Draft(mx.array([], dtype=mx.uint32))
 
 
 class ByteTokenizer:

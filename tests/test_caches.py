@@ -40,6 +40,7 @@ from first_tokens import (
     exact_joint,
     sampled_pairs,
 )
+from helpers import Silent
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.generate import speculative_generate_step as mlx_lm_speculative_generate_step
@@ -546,3 +547,36 @@ def test_memory_flat_over_2000_tokens(name: str) -> None:
     assert len(samples) == 8
     early, late = min(samples[1:4]), min(samples[-3:])
     assert late - early < 512 * 1024, samples
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen3_5",
+        *(pytest.param(n, marks=pytest.mark.slow) for n in ("qwen3_next", "lfm2", "gemma3")),
+    ],
+)
+def test_memory_flat_over_a_stretch_of_plain_steps(name: str) -> None:
+    # With adaptive lengths and nothing proposed, every token is a plain step of one stretch.
+    # Each step checkpoints the caches (a recurrent layer's state by reference); keeping every
+    # checkpoint of the stretch held each step's states: 13 KiB a token on these tiny hybrids,
+    # tens of MiB on Qwen3-Next-80B (36 gated delta-net layers of 1 to 2 MiB of state each).
+    c = case(name)
+    cache = c["cache"](c["model"])
+    steps = speculative_generate_step(
+        mx.array(PROMPT),
+        c["model"],
+        drafter=Silent(),
+        adaptive=True,
+        max_tokens=600,
+        prompt_cache=cache,
+        **c["options"],
+    )
+    samples = []
+    for i, _ in enumerate(steps):
+        if i % 120 == 119:
+            mx.eval([c.state for c in cache])
+            mx.synchronize()
+            samples.append(mx.get_active_memory() - sum(c.nbytes for c in cache))
+    assert len(samples) == 5
+    assert samples[-1] - samples[1] < 512 * 1024, samples

@@ -22,7 +22,7 @@ from first_tokens import (
     exact_joint,
     sampled_pairs,
 )
-from helpers import PROMPT, run
+from helpers import PROMPT, Silent, run
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 from tiny_models import tiny_llama
@@ -231,15 +231,6 @@ def test_lookup_that_never_matches_is_plain_decoding(target, greedy_reference) -
     tokens, _, stats = run(PROMPT, target, None, drafter=never, max_tokens=300)
     assert tokens == greedy_reference
     assert stats.drafted == 0 and stats.rounds == 300
-
-
-class Silent(Drafter):
-    """Never proposes anything (a lookup that never matches)."""
-
-    free = True
-
-    def propose(self, text, n, keys) -> Draft:
-        return Draft(mx.array([], dtype=mx.uint32))
 
 
 @pytest.mark.parametrize("temp", [0.0, 1.0])

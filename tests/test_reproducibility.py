@@ -18,14 +18,13 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx_lm
 import pytest
-from helpers import PROMPT, ByteTokenizer, run
+from helpers import PROMPT, ByteTokenizer, Silent, run
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler as lm_make_sampler
 
 from mlx_spec import cli
 from mlx_spec._demo import DEMO_DIR, GROUNDED, PROMPTS
 from mlx_spec.draft_length import Adaptive, Calibration, Fixed
-from mlx_spec.drafters import Draft, Drafter
 from mlx_spec.generation import speculative_generate_step
 from mlx_spec.patch import patch_mlx_lm, unpatch_mlx_lm
 from mlx_spec.sampling import make_sampler
@@ -35,15 +34,6 @@ SAMPLERS = {
     "t1 top-p": dict(temp=1.0, top_p=0.9),
     "t0.7 min-p": dict(temp=0.7, min_p=0.05),
 }
-
-
-class Silent(Drafter):
-    """Proposes nothing: every token comes from a plain step of the loop."""
-
-    free = True
-
-    def propose(self, text, n, keys) -> Draft:
-        return Draft(mx.array([], dtype=mx.uint32))
 
 
 def sampled(model, draft=None, *, seed: int | None = None, **kwargs) -> list[int]:
