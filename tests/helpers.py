@@ -1,5 +1,5 @@
-"""What the generation tests share: the prompt, a run of the loop, a drafter that proposes
-nothing, a minimal tokenizer, and a check of the benchmark's table."""
+"""What the generation tests share: the prompt, a run of the loop, memory readings along one, a
+drafter that proposes nothing, a minimal tokenizer, and a check of the benchmark's table."""
 
 from __future__ import annotations
 
@@ -24,6 +24,19 @@ def run(prompt, model, draft, **kwargs) -> tuple[list[int], list[bool], Speculat
         tokens.append(token)
         flags.append(from_draft)
     return tokens, flags, stats
+
+
+def memory_beyond_caches(steps, cache: list, every: int) -> list[int]:
+    """Runs the generation ``steps``; every ``every`` tokens, the active memory beyond
+    ``cache``'s own bytes (caches grow by design), after the kernels in flight have finished (and
+    released their buffers: on a GPU they may still be running)."""
+    samples = []
+    for i, _ in enumerate(steps):
+        if i % every == every - 1:
+            mx.eval([c.state for c in cache])
+            mx.synchronize()
+            samples.append(mx.get_active_memory() - sum(c.nbytes for c in cache))
+    return samples
 
 
 class Silent(Drafter):

@@ -40,7 +40,7 @@ from first_tokens import (
     exact_joint,
     sampled_pairs,
 )
-from helpers import Silent
+from helpers import Silent, memory_beyond_caches
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.generate import speculative_generate_step as mlx_lm_speculative_generate_step
@@ -537,13 +537,8 @@ def test_memory_flat_over_2000_tokens(name: str) -> None:
         prompt_cache=cache,
         **c["options"],
     )
-    samples = []
-    for i, _ in enumerate(steps):
-        if i % 250 == 249:
-            mx.eval([c.state for c in cache])
-            mx.synchronize()
-            # Active memory beyond the caches, which may grow by design (not the rotating ones).
-            samples.append(mx.get_active_memory() - sum(c.nbytes for c in cache))
+    # Active memory beyond the caches, which may grow by design (not the rotating ones).
+    samples = memory_beyond_caches(steps, cache, 250)
     assert len(samples) == 8
     early, late = min(samples[1:4]), min(samples[-3:])
     assert late - early < 512 * 1024, samples
@@ -572,11 +567,6 @@ def test_memory_flat_over_a_stretch_of_plain_steps(name: str) -> None:
         prompt_cache=cache,
         **c["options"],
     )
-    samples = []
-    for i, _ in enumerate(steps):
-        if i % 120 == 119:
-            mx.eval([c.state for c in cache])
-            mx.synchronize()
-            samples.append(mx.get_active_memory() - sum(c.nbytes for c in cache))
+    samples = memory_beyond_caches(steps, cache, 120)
     assert len(samples) == 5
     assert samples[-1] - samples[1] < 512 * 1024, samples

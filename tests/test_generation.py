@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from helpers import PROMPT, run
+from helpers import PROMPT, memory_beyond_caches, run
 from kernel_reference import reference_launch
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
@@ -449,14 +449,7 @@ def test_memory_flat_over_a_long_generation(target, drafts) -> None:
         max_tokens=2000,
         prompt_cache=cache,
     )
-    samples = []
-    for i, _ in enumerate(steps):
-        if i % 250 == 249:
-            # Active memory beyond the caches, which grow by design.
-            mx.eval([c.state for c in cache])
-            # On a GPU, let the kernels in flight finish (and release their buffers) first.
-            mx.synchronize()
-            samples.append(mx.get_active_memory() - sum(c.nbytes for c in cache))
+    samples = memory_beyond_caches(steps, cache, 250)
     assert len(samples) == 8
     # A leak lifts every later reading; a transient on a GPU (likely buffers of kernels still
     # finishing) lifts one reading at a time (seen on CUDA: +1.1 MB once, back at the next). On
