@@ -19,6 +19,7 @@ import pytest
 from helpers import assert_generation_table, assert_ratio, markdown_table
 from tiny_models import tiny_llama
 
+from mlx_spec import _demo, bench
 from mlx_spec.generation import SpeculativeStats, speculative_generate_step
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -42,12 +43,14 @@ def script(name: str, *args: str, timeout: float = 600) -> subprocess.CompletedP
     ],
     ids=["open", "both"],
 )
-def test_generation_quick_on_the_demo_pair(tmp_path, capsys, workloads):
+def test_generation_quick_on_the_demo_pair(tmp_path, capsys, monkeypatch, workloads):
     # --quick at 6 tokens a generation instead of 16 (the MTP head adds two methods): the
     # table's checks are the same. The quick
     # run takes the open workload alone, whose prompts are a dozen tokens (an input-grounded one
-    # runs to 184, and its prefills take most of the time on a CPU); --full both. In-process:
+    # runs to 184, and its prefills take most of the time on a CPU); --full both, with the
+    # demo's input-grounded prompt a third that length, as test_cli.py's bench run. In-process:
     # plain_steps below starts the one subprocess a benchmark needs.
+    monkeypatch.setattr(bench, "GROUNDED", _demo.GROUNDED[1:2])
     out = tmp_path / "rows.json"
     argv = ["--pair", "demo", "--quick", "--tokens", "6", "--workload", *workloads]
     benchmark("generation").main([*argv, "--json", str(out)])
@@ -90,16 +93,19 @@ def test_generation_quick_on_the_hybrid_pair_compares_the_replay(tmp_path):
 
 
 @pytest.mark.slow
-def test_chunked_attention_compares_both_ways_on_the_demo_pair():
-    # A long run on a CPU (its prefills of the demo's long prompts): --full. The quick run keeps
-    # test_attention.py's checks of the chunks' attention and of the tokens they give.
-    args = ("--pair", "demo", "--temps", "0", "--tokens", "8", "--repeats", "1")
-    proc = script("chunked_attention", *args)
-    assert proc.returncode == 0, proc.stderr
-    passes = markdown_table(proc.stdout, "forward over q tokens")
+def test_chunked_attention_compares_both_ways_on_the_demo_pair(capsys, monkeypatch):
+    # A long run on a CPU (its prefills of the demo's prompts): --full, in-process, with the
+    # demo's shortest input-grounded prompt alone (the chunks split a verification's queries,
+    # whatever the prompt). The quick run keeps test_attention.py's checks of the chunks'
+    # attention and of the tokens they give.
+    monkeypatch.setattr(bench, "GROUNDED", _demo.GROUNDED[1:2])
+    args = ["--pair", "demo", "--temps", "0", "--tokens", "8", "--repeats", "1"]
+    benchmark("chunked_attention").main(args)
+    printed = capsys.readouterr().out
+    passes = markdown_table(printed, "forward over q tokens")
     assert [row["forward over q tokens"] for row in passes] == ["whole (ms)", "chunked (ms)"]
     assert all(float(row[f"q={q}"]) > 0 for row in passes for q in (1, 3, 4, 5, 9))
-    lines = markdown_table(proc.stdout, "temp")
+    lines = markdown_table(printed, "temp")
     assert [line["method"] for line in lines] == ["lookup N=8", "lookup adaptive", "draft N=4"]
     for line in lines:
         plain, whole, chunked = (
