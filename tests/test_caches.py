@@ -17,7 +17,7 @@ The demo pair is kept for the reproducer of the issue a user met with it.
 
 For each: greedy output equal to plain ``mlx_lm.generate.generate_step`` with the same caches;
 the exact distribution of the first two tokens at temperature 1 (with negative controls that
-break the rollback); memory flat over 2,000 tokens; caches that hold exactly the prompt and the
+break the rollback); memory flat over 1,000 tokens; caches that hold exactly the prompt and the
 tokens yielded afterwards, also after an error in the first round.
 """
 
@@ -523,7 +523,7 @@ def test_the_wrong_temperature_controls_have_their_power(name: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
-def test_memory_flat_over_2000_tokens(name: str) -> None:
+def test_memory_flat_over_1000_tokens(name: str) -> None:
     c = case(name)
     cache = c["cache"](c["model"]) + c["cache"](c["draft"])
     steps = speculative_generate_step(
@@ -533,15 +533,17 @@ def test_memory_flat_over_2000_tokens(name: str) -> None:
         sampler=make_sampler(temp=1.0),
         key=mx.random.key(0),
         num_draft_tokens=4,
-        max_tokens=2000,
+        max_tokens=1000,
         prompt_cache=cache,
         **c["options"],
     )
-    # Active memory beyond the caches, which may grow by design (not the rotating ones).
-    samples = memory_beyond_caches(steps, cache, 250)
+    # Active memory beyond the caches, which may grow by design (not the rotating ones). Over
+    # 2,000 tokens every case stayed within 100 KiB of its start; the bound between tokens 250
+    # to 500 and 750 to 1,000 fails any leak of half a KiB a token.
+    samples = memory_beyond_caches(steps, cache, 125)
     assert len(samples) == 8
     early, late = min(samples[1:4]), min(samples[-3:])
-    assert late - early < 512 * 1024, samples
+    assert late - early < 256 * 1024, samples
 
 
 @pytest.mark.parametrize(
