@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -147,17 +148,29 @@ _ROUNDS, _STEPS = 3, 8
 _PRIOR = (2.0, 3.0)
 
 
+_POWERS = np.arange(MAX_DRAFT_TOKENS + 1)
+
+
 def _expected(a: float | np.ndarray, top: int) -> np.ndarray:
     """``[..., top + 1]``: the tokens a round drafting ``0 .. top`` yields on average at
     acceptance ``a`` (a float, or ``[B, 1]`` rates: ``E(N) = 1 + a + ... + a^N``)."""
-    return np.cumsum(np.minimum(a, 0.999) ** np.arange(top + 1), axis=-1)
+    return np.cumsum(np.minimum(a, 0.999) ** _POWERS[: top + 1], axis=-1)
+
+
+@lru_cache(maxsize=256)
+def _costs(calibration: Calibration, count: int, pending: int) -> np.ndarray:
+    """``[count]``: the seconds of rounds drafting ``0 .. count - 1`` tokens, ``N = 0`` costing a
+    plain step (kept: the loop asks at every plain step, with few distinct arguments)."""
+    costs = np.asarray(calibration.cost(np.arange(count), pending), dtype=np.float64)
+    costs[0] = calibration.plain
+    costs = np.maximum(costs, 1e-12)
+    costs.flags.writeable = False
+    return costs
 
 
 def _fastest(tokens: np.ndarray, calibration: Calibration, pending: int = 1) -> int:
     """The ``N`` whose ``tokens[N]`` come fastest, ``N = 0`` costing a plain step."""
-    costs = np.asarray(calibration.cost(np.arange(len(tokens)), pending), dtype=np.float64)
-    costs[0] = calibration.plain
-    return int(np.argmax(tokens / np.maximum(costs, 1e-12)))
+    return int(np.argmax(tokens / _costs(calibration, len(tokens), pending)))
 
 
 def _or_test(n: int, untested: int, calibration: Calibration, top: int, pending: int = 1) -> int:

@@ -266,7 +266,9 @@ class Target:
         # recurrent states.
         self.cache.forget(self.cache.length)
         self.cache.checkpoint()
-        logits = self.feed(tokens)[-1:]
+        logits = self.feed(tokens)
+        if tokens.size > 1:
+            logits = logits[-1:]
         self.quantize(self.cache.layers)
         for processor in self.processors:
             logits = processor(context, logits)
@@ -411,7 +413,7 @@ class Generation:
                 with mx.stream(self.stream):
                     n, proposal = self._plan(remaining)
                 if n == 0 and self.group is None:
-                    steps = self._stretch(remaining)
+                    steps = self._stretch(remaining, proposal)
                     while (step := self._next(steps)) is not None:
                         self._emitted += 1
                         self.stats.generated += 1
@@ -527,15 +529,16 @@ class Generation:
             self._microseconds = min(int(outcome.seconds * 1e6), 2**32 - 1)
         return tokens, kept, logprobs
 
-    def _stretch(self, count: int) -> Iterator[tuple[int, mx.array]]:
+    def _stretch(self, count: int, guess: Draft | None) -> Iterator[tuple[int, mx.array]]:
         """Up to ``count`` plain steps of the target, each built and started before the previous
         one is read, as mlx-lm's plain decoding runs: where drafting does not pay, this costs
         what plain decoding costs, where rounds of one step would each wait for their read.
 
         Each step draws its token as a round without drafts would (the same keys), so the text
         is the one rounds would give. A free drafter's guess is still checked against each token
-        (its acceptance, measured without verifying it). After each step the policy is asked
-        again; once it chooses to draft, the stretch ends after the step already started.
+        (its acceptance, measured without verifying it): the first token of the proposal that
+        chose the step, ``guess`` for the first. After each step the policy is asked again; once
+        it chooses to draft, the stretch ends after the step already started.
 
         Yields:
             tuple[int, array]: each token and its ``[V]`` log-probabilities (lazy); the stretch
@@ -551,7 +554,7 @@ class Generation:
         # A drafter that guesses nothing during the stretch sees its hidden states at its end,
         # in one call, as a draft model catches up on the tokens it missed.
         unseen: list[mx.array] = []
-        yield from self._steps(step, count, context, clock, unseen)
+        yield from self._steps(step, count, guess, context, clock, unseen)
         if unseen:
             self.drafter.see(mx.concatenate(unseen), len(self.text) - 1 - len(unseen), self.text)
 
@@ -559,6 +562,7 @@ class Generation:
         self,
         step: tuple[mx.array, mx.array, mx.array, mx.array | None] | None,
         count: int,
+        guess: Draft | None,
         context: mx.array | None,
         clock: float,
         unseen: list[mx.array],
@@ -576,7 +580,6 @@ class Generation:
                 if context is not None:
                     context = mx.concatenate([context, fed])
                 ahead = self._plain_step(fed, context, self.text.position + 1)
-            guess = self._propose(1) if self.drafter.free else None
             # The step's one read, of the token alone: a new op on it (a concatenation, say)
             # would queue behind the step ahead, and the read would wait for both.
             token = lazy.item()
@@ -591,16 +594,19 @@ class Generation:
             elif hidden is not None:
                 unseen.append(hidden)
             self.stats.count(0, 0)
-            right = guess is not None and guess.size > 0 and guess.tokens.tolist()[0] == token
-            tested = guess.size if guess is not None else 0
-            label = guess.label if guess is not None else 0
-            self.policy.observe(Outcome(tested, int(right), label, seconds, True, made == 1))
+            tested = guess is not None and guess.size > 0
+            right = tested and guess.tokens[0].item() == token
+            label = guess.label if tested else 0
+            self.policy.observe(Outcome(int(tested), int(right), label, seconds, True, made == 1))
             yield token, logprobs[0]
             if token in self.eos:
                 return
-            if ahead is not None and last == count and self._plan(count - made)[0] > 0:
-                # Drafting pays again: the step already started ends the stretch.
-                last = made + 1
+            guess = None
+            if ahead is not None and last == count:
+                n, guess = self._plan(count - made)
+                if n > 0:
+                    # Drafting pays again: the step already started ends the stretch.
+                    last = made + 1
             step = ahead
 
     def _plain_step(

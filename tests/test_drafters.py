@@ -642,9 +642,9 @@ def test_each_plain_step_reports_its_time_and_whether_it_starts_a_stretch(
     stretches = []
     stretch = loop.Generation._stretch
 
-    def counted(self, count):
+    def counted(self, count, guess):
         stretches.append(count)
-        yield from stretch(self, count)
+        yield from stretch(self, count, guess)
 
     monkeypatch.setattr(loop.Generation, "_stretch", counted)
     policy = Scripted(2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0)
@@ -680,9 +680,9 @@ def test_stretches_cut_short_by_a_proposal_stay_lossless(target, greedy_referenc
     ends = []
     stretch = loop.Generation._stretch
 
-    def counted(self, count):
+    def counted(self, count, guess):
         made = 0
-        for step in stretch(self, count):
+        for step in stretch(self, count, guess):
             made += 1
             yield step
         ends.append(made < count)

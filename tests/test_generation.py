@@ -118,9 +118,9 @@ def test_logits_processors_apply_per_position(target, drafts) -> None:
     stretches = []
     original = loop.Generation._stretch
 
-    def counted(self, count):
+    def counted(self, count, guess):
         stretches.append(count)
-        return original(self, count)
+        return original(self, count, guess)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loop.Generation, "_stretch", counted)
