@@ -127,10 +127,11 @@ def _float32(x: mx.array) -> mx.array:
     return x if x.dtype == mx.float32 else x.astype(mx.float32)
 
 
-def _first(flags: mx.array, default: int) -> mx.array:
-    """``[]`` uint32: the index of the first true in ``flags`` (``[n]`` bool), else ``default``."""
-    positions = _iota(flags.shape[0])
-    return mx.where(flags, positions, default).min()
+def _leading(flags: mx.array) -> mx.array:
+    """``[]`` uint32: how many of ``flags`` (``[n]`` bool) are true before the first false (``n``
+    when none is). A scan rather than the least index of a false: ``n`` as a default would be a
+    constant of the graph, and each ``N`` would compile kernels of its own."""
+    return mx.cumprod(flags.astype(mx.uint32)).sum()
 
 
 def _accepted(ok: mx.array, draft: mx.array, eos: mx.array | None) -> tuple[mx.array, mx.array]:
@@ -148,10 +149,10 @@ def _accepted(ok: mx.array, draft: mx.array, eos: mx.array | None) -> tuple[mx.a
     n = draft.shape[0]
     if n == 0:
         return mx.array(0, mx.uint32), mx.array(False)
-    accepted = _first(~ok, n)
+    accepted = _leading(ok)
     if eos is None:
         return accepted, mx.array(False)
-    first_eos = _first(_is_eos(draft, eos), n)
+    first_eos = _leading(~_is_eos(draft, eos))
     accepted = mx.minimum(accepted, first_eos + 1)
     return accepted, first_eos < accepted
 
