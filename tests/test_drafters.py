@@ -673,6 +673,24 @@ def test_stretch_guesses_follow_the_text(target, monkeypatch) -> None:
     assert sum(o.drafted for o in policy.told) > 50
 
 
+def test_a_stretch_proposes_once_a_step(target, monkeypatch) -> None:
+    # The proposal that asks the policy after a step is the next step's guess: prompt lookup is
+    # asked once a plain step, not a second time for a guess of one token.
+    asked = []
+    propose = PromptLookupDrafter.propose
+
+    def spy(self, text, n, keys):
+        asked.append(n)
+        return propose(self, text, n, keys)
+
+    monkeypatch.setattr(PromptLookupDrafter, "propose", spy)
+    policy = Scripted(0)
+    run(PROMPT, target, None, drafter="prompt-lookup", policy=policy, max_tokens=200)
+    steps = sum(o.plain for o in policy.told)
+    assert steps == 200 and len(asked) <= steps + 1
+    assert sum(o.drafted for o in policy.told) > 50 and 1 not in asked[:-1]
+
+
 def test_stretches_cut_short_by_a_proposal_stay_lossless(target, greedy_reference, monkeypatch):
     # The policy chooses to draft now and then (twice in a row: to end the stretch, then for the
     # round): each stretch ends after the step already started, and the text is still plain
