@@ -595,7 +595,9 @@ class Generation:
                 unseen.append(hidden)
             self.stats.count(0, 0)
             tested = guess is not None and guess.size > 0
-            right = tested and guess.tokens[0].item() == token
+            # Read as a whole: an op on the guess (its first token) would queue behind the step
+            # ahead, and this read would wait for it.
+            right = tested and guess.tokens.tolist()[0] == token
             label = guess.label if tested else 0
             self.policy.observe(Outcome(int(tested), int(right), label, seconds, True, made == 1))
             yield token, logprobs[0]
