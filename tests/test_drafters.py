@@ -658,37 +658,24 @@ def test_each_plain_step_reports_its_time_and_whether_it_starts_a_stretch(
 def test_stretch_guesses_follow_the_text(target, monkeypatch) -> None:
     # In a stretch of plain steps, prompt lookup's guess for each token must come from the text
     # up to it (its acceptance is measured from these guesses), not from where the stretch began.
+    # The proposal that asks the policy after a step is the next step's guess: lookup is asked
+    # once a plain step, not a second time for a guess of one token.
     seen = []
     propose = PromptLookupDrafter.propose
 
     def spy(self, text, n, keys):
-        seen.append(len(self._index.ids) == len(text))
-        return propose(self, text, n, keys)
-
-    monkeypatch.setattr(PromptLookupDrafter, "propose", spy)
-    policy = Scripted(0)
-    run(PROMPT, target, None, drafter="prompt-lookup", policy=policy, max_tokens=200)
-    assert len(seen) > 100 and all(seen)
-    # Each guess checked against the token the step emitted is reported as tested.
-    assert sum(o.drafted for o in policy.told) > 50
-
-
-def test_a_stretch_proposes_once_a_step(target, monkeypatch) -> None:
-    # The proposal that asks the policy after a step is the next step's guess: prompt lookup is
-    # asked once a plain step, not a second time for a guess of one token.
-    asked = []
-    propose = PromptLookupDrafter.propose
-
-    def spy(self, text, n, keys):
-        asked.append(n)
+        seen.append((len(self._index.ids) == len(text), n))
         return propose(self, text, n, keys)
 
     monkeypatch.setattr(PromptLookupDrafter, "propose", spy)
     policy = Scripted(0)
     run(PROMPT, target, None, drafter="prompt-lookup", policy=policy, max_tokens=200)
     steps = sum(o.plain for o in policy.told)
-    assert steps == 200 and len(asked) <= steps + 1
-    assert sum(o.drafted for o in policy.told) > 50 and 1 not in asked[:-1]
+    assert len(seen) > 100 and all(current for current, _ in seen)
+    assert steps == 200 and len(seen) <= steps + 1
+    assert 1 not in [n for _, n in seen[:-1]]
+    # Each guess checked against the token the step emitted is reported as tested.
+    assert sum(o.drafted for o in policy.told) > 50
 
 
 def test_stretches_cut_short_by_a_proposal_stay_lossless(target, greedy_reference, monkeypatch):
