@@ -31,7 +31,8 @@ import math
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import cache, wraps
+from functools import cache, lru_cache, wraps
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -117,6 +118,27 @@ def _is_eos(tokens: mx.array, eos: mx.array) -> mx.array:
 def _iota(n: int, offset: int = 0) -> mx.array:
     """``[n]`` uint32 ``offset, offset + 1, ...`` as a constant: ``mx.arange`` would be a kernel."""
     return mx.array(np.arange(offset, offset + n, dtype=np.uint32))
+
+
+class _Sizes(NamedTuple):
+    """The sizes a sampled decision computes with, as ``[]`` uint32 arrays: inputs of its
+    compiled graph, where Python ints would be literals in the source of its fused kernels and
+    each ``V`` and ``N`` would compile kernels of its own (a ``g++`` run each on MLX's CPU
+    backend, a JIT compile on Metal and CUDA)."""
+
+    vocab: mx.array  # V
+    last_id: mx.array  # V - 1
+    last_draft: mx.array  # N - 1 (0 when N = 0)
+    blocks: mx.array  # the two-level draw's blocks (_block_count)
+    depth: mx.array  # tokens per block, ceil(V / blocks)
+
+
+@lru_cache(maxsize=64)
+def _sizes(v: int, n: int) -> _Sizes:
+    """The :class:`_Sizes` of ``V = v`` and ``N = n``."""
+    blocks = _block_count(v)
+    values = (v, v - 1, max(n - 1, 0), blocks, -(-v // blocks))
+    return _Sizes(*(mx.array(x, dtype=mx.uint32) for x in values))
 
 
 def _uint32(ids: mx.array) -> mx.array:
@@ -386,6 +408,7 @@ def _draw_residual(
     rejected: mx.array | None,
     removed: mx.array | None,
     u: mx.array,
+    sizes: _Sizes,
 ) -> tuple[mx.array, mx.array]:
     """Draws an index from ``norm(max(p - q, 0))``, or from ``p`` when that has no mass, and
     checks the row drawn from.
@@ -406,6 +429,7 @@ def _draw_residual(
         removed (array, optional): ``[]`` uint32 token whose mass is removed instead (no token
             when ``>= V``).
         u (array): ``[]`` float32 uniform in ``[0, 1)``.
+        sizes (_Sizes): the sizes of ``V``.
 
     Returns:
         tuple[array, array]: ``[]`` uint32 index in ``[0, V)``; ``[]`` bool, true when the row
@@ -424,7 +448,8 @@ def _draw_residual(
         if q is not None:
             return _residual(block, mx.take(q, b, axis=1), rejected)
         if removed is not None:
-            hit = mx.logical_and(_iota(depth) == removed // blocks, b == removed % blocks)
+            row, column = removed // sizes.blocks, removed % sizes.blocks
+            hit = mx.logical_and(_iota(depth) == row, b == column)
             return mx.where(hit, 0.0, block)
         return block
 
@@ -432,7 +457,7 @@ def _draw_residual(
         r_sums = _residual(p, q, rejected).sum(axis=0)
     elif removed is not None:
         # Only the removed token's block changes: sum it again without that token.
-        own = removed % blocks
+        own = removed % sizes.blocks
         r_sums = mx.where(_iota(blocks) == own, residual_block(own).sum(), p_sums)
     else:
         r_sums = p_sums
@@ -442,14 +467,14 @@ def _draw_residual(
     total = cum[-1]
     # Strictly below the total, so the block found has mass.
     t = mx.minimum(u * total, total * (1 - 2.0**-23))
-    b = mx.minimum((cum <= t).sum(), blocks - 1).astype(mx.uint32)
+    b = mx.minimum((cum <= t).sum().astype(mx.uint32), sizes.blocks - 1)
     below = mx.where(b > 0, mx.take(cum, mx.maximum(b, 1) - 1), 0.0)
     scan = mx.cumsum(mx.where(use_p, mx.take(p, b, axis=1), residual_block(b)))
     j = (scan <= t - below).sum().astype(mx.uint32)
     # Block sums and scans round differently: when the scan ends at or below the target, take
     # the last index with mass, the first maximum of the scan.
-    j = mx.where(j >= depth, mx.argmax(scan).astype(mx.uint32), j)
-    index = mx.minimum(b + blocks * j, v - 1)
+    j = mx.where(j >= sizes.depth, mx.argmax(scan).astype(mx.uint32), j)
+    index = mx.minimum(b + sizes.blocks * j, sizes.last_id)
     # A valid p has a positive, finite total, and so has the residual when it is drawn from.
     off = ~(mx.abs(p_sums.sum() - 1) <= MASS_TOLERANCE)
     return index, mx.logical_or(off, mx.isnan(r_total))
@@ -550,7 +575,8 @@ def sampled_decision(
     """
     if fused:
         return _fused_sampled_graph(probs, draft, draft_probs, eos, key)
-    return _sampled_graph(probs, draft, draft_probs, eos, key)
+    sizes = _sizes(probs.shape[1], draft.shape[0])
+    return _sampled_graph(probs, draft, draft_probs, eos, key, sizes)
 
 
 @_compile_per_thread
@@ -571,11 +597,16 @@ def _fused_sampled_graph(
 
 @_compile_per_thread
 def _sampled_graph(
-    probs: mx.array, draft: mx.array, q: mx.array | None, eos: mx.array | None, key: mx.array
+    probs: mx.array,
+    draft: mx.array,
+    q: mx.array | None,
+    eos: mx.array | None,
+    key: mx.array,
+    sizes: _Sizes,
 ) -> mx.array:
     """The compiled sampled graph (traced once per shape and set of optional inputs)."""
-    n = draft.shape[0]
-    return sampled_from_uniforms(probs, draft, q, eos, mx.random.uniform(shape=(n + 1,), key=key))
+    uniforms = mx.random.uniform(shape=(draft.shape[0] + 1,), key=key)
+    return sampled_from_uniforms(probs, draft, q, eos, uniforms, sizes)
 
 
 def sampled_from_uniforms(
@@ -584,18 +615,21 @@ def sampled_from_uniforms(
     q: mx.array | None,
     eos: mx.array | None,
     uniforms: mx.array,
+    sizes: _Sizes | None = None,
 ) -> mx.array:
     """The composition of :func:`accept_sampled` given its uniforms (``[N + 1]`` float32): the
-    reference that the fused kernel is checked against."""
-    n, v = draft.shape[0], probs.shape[1]
+    reference that the fused kernel is checked against. ``sizes`` are those of ``probs`` and
+    ``draft`` (default: made here)."""
+    n = draft.shape[0]
+    sizes = _sizes(probs.shape[1], n) if sizes is None else sizes
     u = uniforms[:n]
     draft = _uint32(draft)
-    safe = mx.minimum(draft, v - 1)[:, None]
+    safe = mx.minimum(draft, sizes.last_id)[:, None]
     p_draft = _float32(mx.take_along_axis(probs[:n], safe, axis=-1)[:, 0])
     # The values a ratio test reads at a draft token must be probabilities: a position that reads
     # one outside [0, 1] (NaN, a log-probability, ...) is not accepted, and is reported if it
     # decides. An id outside the vocabulary reads nothing and is rejected.
-    in_vocab = draft < v
+    in_vocab = draft < sizes.vocab
     valid = _in_unit(p_draft)
     if q is None:
         ok = u < p_draft
@@ -605,10 +639,11 @@ def sampled_from_uniforms(
         ok = u * q_draft < p_draft
     ok = mx.logical_and(mx.logical_and(ok, valid), in_vocab)
     accepted, eos_in_draft = _accepted(ok, draft, eos)
-    token, bad = _next_token(probs, q, draft, accepted, uniforms[n])
+    token, bad = _next_token(probs, q, draft, accepted, uniforms[n], sizes)
     if n:
-        misread = mx.take(mx.logical_and(in_vocab, ~valid), mx.minimum(accepted, n - 1))
-        bad = mx.logical_or(bad, mx.logical_and(accepted < n, misread))
+        last = mx.minimum(accepted, sizes.last_draft)
+        misread = mx.take(mx.logical_and(in_vocab, ~valid), last)
+        bad = mx.logical_or(bad, mx.logical_and(accepted <= sizes.last_draft, misread))
     token = mx.where(bad, accepted + INVALID_ROW, token)
     return _result(accepted, eos_in_draft, token, eos)
 
@@ -619,21 +654,21 @@ def _next_token(
     draft: mx.array,
     accepted: mx.array,
     u: mx.array,
+    sizes: _Sizes,
 ) -> tuple[mx.array, mx.array]:
     """``next`` (``[]`` uint32) drawn with uniform ``u`` from the residual of row ``accepted``,
     and whether that row is invalid."""
-    n = draft.shape[0]
     p_row = _float32(mx.take(probs, accepted, axis=0))
-    if n == 0:
-        return _draw_residual(p_row, None, None, None, u)
-    last = mx.minimum(accepted, n - 1)
-    rejected = accepted < n
+    if draft.shape[0] == 0:
+        return _draw_residual(p_row, None, None, None, u, sizes)
+    last = mx.minimum(accepted, sizes.last_draft)
+    rejected = accepted <= sizes.last_draft
     if q is None:
         # A point mass on the draft token: the residual is p without that token.
         removed = mx.where(rejected, mx.take(draft, last), 0xFFFFFFFF)
-        return _draw_residual(p_row, None, None, removed, u)
+        return _draw_residual(p_row, None, None, removed, u, sizes)
     # After a full accept the draw is from p_N: q is not subtracted.
-    return _draw_residual(p_row, mx.take(q, last, axis=0), rejected, None, u)
+    return _draw_residual(p_row, mx.take(q, last, axis=0), rejected, None, u, sizes)
 
 
 def read(result: mx.array) -> Verdict | list:

@@ -39,6 +39,7 @@ from ._checks import INVALID_ROW
 from .acceptance import (
     _argmax_rows,
     _compile_per_thread,
+    _sizes,
     greedy_decision,
     greedy_token,
     matching_decision,
@@ -265,7 +266,8 @@ class Rule:
             return token, fed, _logprobs(logits)
         if _draws_categorical(self.sampler):
             # One compiled graph a step: plain steps run where host work is most of a token.
-            return _coupled_step_graph(self.sampler)(logits, key)
+            last_id = _sizes(logits.shape[-1], 0).last_id
+            return _coupled_step_graph(self.sampler)(logits, key, last_id)
         logprobs = _logprobs(logits)
         token = mx.where(_undecided(logprobs), INVALID_ROW, self._coupled(logprobs, key))
         return token, mx.minimum(token, logits.shape[-1] - 1), logprobs
@@ -312,16 +314,19 @@ def _draw_rows(scores: mx.array, states: mx.array, together: bool) -> mx.array:
 
 @lru_cache(maxsize=32)
 def _coupled_step_graph(sampler: Any) -> Callable[..., tuple[mx.array, mx.array, mx.array]]:
-    """``(logits [k, V], states [k, 2]) -> (tokens, fed, logprobs)``: a plain step's draws (see
-    :meth:`Rule.step`), compiled per thread."""
+    """``(logits [k, V], states [k, 2], last_id []) -> (tokens, fed, logprobs)``: a plain step's
+    draws (see :meth:`Rule.step`), compiled per thread; ``last_id`` is ``V - 1`` as an input
+    (see :class:`mlx_spec.acceptance._Sizes`)."""
 
     together = _mlx_lm.rows_by_inverse_cdf()  # probed here, outside the traced function
 
-    def step(logits: mx.array, states: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    def step(
+        logits: mx.array, states: mx.array, last_id: mx.array
+    ) -> tuple[mx.array, mx.array, mx.array]:
         logprobs = _logprobs(logits)
         drawn = _draw_rows(_scores(sampler, logprobs), states, together)
         token = mx.where(_undecided(logprobs), INVALID_ROW, drawn)
-        return token, mx.minimum(token, logits.shape[-1] - 1), logprobs
+        return token, mx.minimum(token, last_id), logprobs
 
     return _compile_per_thread(step)
 
