@@ -31,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from . import _mlx_lm
 from ._checks import check_key
 
 __all__ = ["agree_key", "fresh_seed", "load_sharded", "model_group", "round_arguments"]
@@ -43,7 +44,7 @@ def _groups(model: nn.Module) -> tuple[list[Group], bool]:
     """The groups of size > 1 that ``model``'s layers hold, and whether it is a pipeline stage."""
     groups: list[Group] = []
     pipeline = False
-    for module in model.modules():
+    for module in _mlx_lm.modules(model):
         # Sharded layers keep their group as a plain attribute (``group`` for mlx.nn's sharded
         # linears, ``sharding_group`` for mlx-lm's mixture-of-experts blocks).
         for value in vars(module).values():

@@ -162,7 +162,7 @@ class SpeculativeStats:
 
 def vocab_size(model: nn.Module) -> int | None:
     """The ids ``model`` can embed: its first embedding's rows (``None`` if it has none)."""
-    for _, module in model.named_modules():
+    for module in _mlx_lm.modules(model):
         if isinstance(module, nn.QuantizedEmbedding):
             return module.num_embeddings
         if isinstance(module, nn.Embedding):

@@ -17,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+import tiny_models
 from helpers import PROMPT, memory_beyond_caches, run
 from kernel_reference import reference_launch
 from mlx_lm.generate import generate_step
@@ -25,7 +26,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.sample_utils import make_sampler as lm_make_sampler
 from tiny_models import cut, tiny_llama
 
-from mlx_spec import kernels, loop
+from mlx_spec import _mlx_lm, kernels, loop
 from mlx_spec._checks import device_type
 from mlx_spec.acceptance import accept_sampled, read
 from mlx_spec.drafters import Draft, Drafter
@@ -245,6 +246,9 @@ def test_one_host_read_per_round(monkeypatch, target, drafts, temp) -> None:
         key=mx.random.key(3),
         stats=stats,
     )
+    # A once-per-process probe reads the device (how MLX draws a batch's rows), the first time
+    # this process draws a coupled token: not a round's read.
+    _mlx_lm.rows_by_inverse_cdf()
     reads = HostReads(monkeypatch)
     tokens = list(steps)
     monkeypatch.undo()
@@ -685,3 +689,24 @@ def test_cached_tokens_are_checked(target, value, match) -> None:
     ):
         speculative_generate_step(mx.array(PROMPT), target, drafter="prompt-lookup",
                                   cached_tokens=value)  # fmt: skip
+
+
+def _modules_in_a_dict() -> nn.Module:
+    model = nn.Module()
+    model.parts = {"first": nn.Linear(2, 2), "rest": [nn.RMSNorm(2), {"last": nn.Linear(2, 2)}]}
+    model.head = nn.Linear(2, 2)
+    return model
+
+
+WALKED = ["tiny_llama", "tiny_gemma3", "tiny_lfm2", "tiny_qwen3_next_moe", "tiny_qwen3_5_moe"]
+WALKED += ["tiny_deepseek_v3", "tiny_glm4_moe", "in a dict"]
+
+
+@pytest.mark.parametrize("build", WALKED)
+def test_the_module_walk_finds_what_modules_finds_in_its_order(build: str) -> None:
+    # Layers in lists, experts in lists and switch layers, MoE blocks, modules in a dict: a walk
+    # that skipped a list or a dict, or went in another order, would differ.
+    model = _modules_in_a_dict() if build == "in a dict" else getattr(tiny_models, build)(0)
+    mine = _mlx_lm.modules(model)
+    assert [id(m) for m in mine] == [id(m) for m in model.modules()]
+    assert len(mine) >= 5
