@@ -31,7 +31,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from . import _mlx_lm
 from ._checks import check_key
 
 __all__ = ["agree_key", "fresh_seed", "load_sharded", "model_group", "round_arguments"]
@@ -42,6 +41,9 @@ StreamLike = mx.Stream | mx.ThreadLocalStream | mx.Device | None
 
 def _groups(model: nn.Module) -> tuple[list[Group], bool]:
     """The groups of size > 1 that ``model``'s layers hold, and whether it is a pipeline stage."""
+    # Imported here: the command's early errors check a launch without importing mlx-lm.
+    from . import _mlx_lm
+
     groups: list[Group] = []
     pipeline = False
     for module in _mlx_lm.modules(model):
