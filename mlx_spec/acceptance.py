@@ -31,7 +31,7 @@ import math
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import cache, lru_cache, wraps
+from functools import cache, wraps
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -126,18 +126,17 @@ class _Sizes(NamedTuple):
     each ``V`` and ``N`` would compile kernels of its own (a ``g++`` run each on MLX's CPU
     backend, a JIT compile on Metal and CUDA)."""
 
-    vocab: mx.array  # V
     last_id: mx.array  # V - 1
     last_draft: mx.array  # N - 1 (0 when N = 0)
     blocks: mx.array  # the two-level draw's blocks (_block_count)
     depth: mx.array  # tokens per block, ceil(V / blocks)
 
 
-@lru_cache(maxsize=64)
+@cache
 def _sizes(v: int, n: int) -> _Sizes:
-    """The :class:`_Sizes` of ``V = v`` and ``N = n``."""
+    """The :class:`_Sizes` of ``V = v`` and ``N = n`` (made once: a generation meets few)."""
     blocks = _block_count(v)
-    values = (v, v - 1, max(n - 1, 0), blocks, -(-v // blocks))
+    values = (v - 1, max(n - 1, 0), blocks, -(-v // blocks))
     return _Sizes(*(mx.array(x, dtype=mx.uint32) for x in values))
 
 
@@ -629,7 +628,7 @@ def sampled_from_uniforms(
     # The values a ratio test reads at a draft token must be probabilities: a position that reads
     # one outside [0, 1] (NaN, a log-probability, ...) is not accepted, and is reported if it
     # decides. An id outside the vocabulary reads nothing and is rejected.
-    in_vocab = draft < sizes.vocab
+    in_vocab = draft <= sizes.last_id
     valid = _in_unit(p_draft)
     if q is None:
         ok = u < p_draft
