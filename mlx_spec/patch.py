@@ -107,6 +107,12 @@ class _MlxLmSampler:
     def logits(self, logprobs: mx.array) -> mx.array:
         return self.distribution.logits(logprobs)
 
+    def form(self, logprobs: mx.array) -> Any:
+        return self.distribution.form(logprobs)
+
+    def inputs(self, logprobs: mx.array) -> tuple[mx.array, ...]:
+        return self.distribution.inputs(logprobs)
+
     def probs(self, logprobs: mx.array) -> mx.array:
         return self.distribution.probs(logprobs)
 

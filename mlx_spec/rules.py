@@ -163,7 +163,8 @@ class Rule:
     def _coupled(self, logprobs: mx.array, states: mx.array) -> mx.array:
         """``[n]`` uint32: row ``i`` of ``logprobs`` (``[n, V]``) drawn with state ``states[i]``."""
         if _draws_categorical(self.sampler):
-            return _coupled_graph(self.sampler)(logprobs, states)
+            form, inputs = _graph_of(self.sampler, logprobs)
+            return _coupled_graph(form)(logprobs, states, *inputs)
         tokens = []
         for row, state in zip(logprobs, states.tolist(), strict=True):
             set_global_state(mx.array(state, dtype=mx.uint32))
@@ -267,7 +268,8 @@ class Rule:
         if _draws_categorical(self.sampler):
             # One compiled graph a step: plain steps run where host work is most of a token.
             last_id = _sizes(logits.shape[-1], 0).last_id
-            return _coupled_step_graph(self.sampler)(logits, key, last_id)
+            form, inputs = _graph_of(self.sampler, logits)
+            return _coupled_step_graph(form)(logits, key, last_id, *inputs)
         logprobs = _logprobs(logits)
         token = mx.where(_undecided(logprobs), INVALID_ROW, self._coupled(logprobs, key))
         return token, mx.minimum(token, logits.shape[-1] - 1), logprobs
@@ -279,21 +281,34 @@ def _draws_categorical(sampler: Any) -> bool:
     return callable(getattr(sampler, "logits", None)) or callable(getattr(sampler, "probs", None))
 
 
-def _scores(sampler: Any, logprobs: mx.array) -> mx.array:
-    """The scores ``sampler`` draws a categorical from: its ``logits``, or its ``probs``' log."""
+def _graph_of(sampler: Any, rows: mx.array) -> tuple[Any, tuple[mx.array, ...]]:
+    """What a compiled draw under ``sampler`` on rows like ``rows`` (``[k, V]``) is made from,
+    and the inputs it takes besides them: for a sampler with a ``form``
+    (:class:`mlx_spec.sampling.SpecSampler`), its form and its parameters, so that samplers
+    differing only in their values share one graph and its kernels; for any other, the sampler
+    itself and none."""
+    if callable(getattr(sampler, "form", None)) and callable(getattr(sampler, "inputs", None)):
+        return sampler.form(rows), sampler.inputs(rows)
+    return sampler, ()
+
+
+def _scores(sampler: Any, logprobs: mx.array, *inputs: mx.array) -> mx.array:
+    """The scores ``sampler`` (or a :class:`mlx_spec.sampling.SamplerForm` with its ``inputs``)
+    draws a categorical from: its ``logits``, or its ``probs``' log."""
     logits = getattr(sampler, "logits", None)
-    return logits(logprobs) if callable(logits) else mx.log(sampler.probs(logprobs))
+    return logits(logprobs, *inputs) if callable(logits) else mx.log(sampler.probs(logprobs))
 
 
 @lru_cache(maxsize=32)
 def _coupled_graph(sampler: Any) -> Callable[..., mx.array]:
-    """``(logprobs [n, V], states [n, 2]) -> [n]`` uint32: each row drawn as mlx-lm's sampler
-    draws a ``[1, V]`` row with the key its state hands out (compiled per thread)."""
+    """``(logprobs [n, V], states [n, 2], *inputs) -> [n]`` uint32: each row drawn as mlx-lm's
+    sampler draws a ``[1, V]`` row with the key its state hands out (compiled per thread);
+    ``sampler`` and ``inputs`` as :func:`_graph_of` gives them."""
 
     together = _mlx_lm.rows_by_inverse_cdf()  # probed here, outside the traced function
 
-    def coupled(logprobs: mx.array, states: mx.array) -> mx.array:
-        return _draw_rows(_scores(sampler, logprobs), states, together)
+    def coupled(logprobs: mx.array, states: mx.array, *inputs: mx.array) -> mx.array:
+        return _draw_rows(_scores(sampler, logprobs, *inputs), states, together)
 
     return _compile_per_thread(coupled)
 
@@ -314,17 +329,18 @@ def _draw_rows(scores: mx.array, states: mx.array, together: bool) -> mx.array:
 
 @lru_cache(maxsize=32)
 def _coupled_step_graph(sampler: Any) -> Callable[..., tuple[mx.array, mx.array, mx.array]]:
-    """``(logits [k, V], states [k, 2], last_id []) -> (tokens, fed, logprobs)``: a plain step's
-    draws (see :meth:`Rule.step`), compiled per thread; ``last_id`` is ``V - 1`` as an input
-    (see :class:`mlx_spec.acceptance._Sizes`)."""
+    """``(logits [k, V], states [k, 2], last_id [], *inputs) -> (tokens, fed, logprobs)``: a
+    plain step's draws (see :meth:`Rule.step`), compiled per thread; ``last_id`` is ``V - 1`` as
+    an input (see :class:`mlx_spec.acceptance._Sizes`), ``sampler`` and ``inputs`` as
+    :func:`_graph_of` gives them."""
 
     together = _mlx_lm.rows_by_inverse_cdf()  # probed here, outside the traced function
 
     def step(
-        logits: mx.array, states: mx.array, last_id: mx.array
+        logits: mx.array, states: mx.array, last_id: mx.array, *inputs: mx.array
     ) -> tuple[mx.array, mx.array, mx.array]:
         logprobs = _logprobs(logits)
-        drawn = _draw_rows(_scores(sampler, logprobs), states, together)
+        drawn = _draw_rows(_scores(sampler, logprobs, *inputs), states, together)
         token = mx.where(_undecided(logprobs), INVALID_ROW, drawn)
         return token, mx.minimum(token, last_id), logprobs
 

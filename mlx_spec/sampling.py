@@ -23,12 +23,13 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from functools import lru_cache
 
 import mlx.core as mx
 
 from ._checks import StreamOrDevice, check_stream
 
-__all__ = ["SpecSampler", "make_sampler", "min_p_mask", "top_k_mask", "top_p_mask"]
+__all__ = ["SamplerForm", "SpecSampler", "make_sampler", "min_p_mask", "top_k_mask", "top_p_mask"]
 
 _FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
@@ -86,6 +87,12 @@ def top_p_mask(logprobs: mx.array, top_p: float, *, stream: StreamOrDevice = Non
     stream = check_stream("top_p_mask", stream)
     if top_p in (0.0, 1.0):
         return mx.ones(logprobs.shape, dtype=mx.bool_, stream=stream)
+    return _top_p_keep(logprobs, top_p, stream)
+
+
+def _top_p_keep(logprobs: mx.array, top_p: float | mx.array, stream: StreamOrDevice) -> mx.array:
+    """:func:`top_p_mask`'s mask for ``top_p`` strictly between 0 and 1: a float, or a ``[]``
+    float32 array (an input of a compiled graph), unchecked."""
     # Most likely first; negation is exact in every float dtype.
     ranked = mx.negative(mx.sort(mx.negative(logprobs, stream=stream), axis=-1, stream=stream))
     probs = mx.exp(ranked.astype(mx.float32, stream=stream), stream=stream)
@@ -128,8 +135,21 @@ def min_p_mask(
     vocab = logprobs.shape[-1]
     if min_p == 0.0 or min_tokens_to_keep >= vocab:
         return mx.ones(logprobs.shape, dtype=mx.bool_, stream=stream)
+    return _min_p_keep(logprobs, math.log(min_p), min_tokens_to_keep, stream)
+
+
+def _min_p_keep(
+    logprobs: mx.array,
+    log_min_p: float | mx.array,
+    min_tokens_to_keep: int,
+    stream: StreamOrDevice,
+) -> mx.array:
+    """:func:`min_p_mask`'s mask for ``min_p`` above 0, given as ``log(min_p)``: a float, or a
+    ``[]`` array of the dtype of ``logprobs`` (an input of a compiled graph), unchecked; and
+    ``min_tokens_to_keep`` below ``V``."""
+    vocab = logprobs.shape[-1]
     top = mx.max(logprobs, axis=-1, keepdims=True, stream=stream)
-    keep = mx.greater_equal(logprobs, top + math.log(min_p), stream=stream)
+    keep = mx.greater_equal(logprobs, top + log_min_p, stream=stream)
     if min_tokens_to_keep > 1:
         first = vocab - min_tokens_to_keep
         best = mx.argpartition(logprobs, kth=first, axis=-1, stream=stream)[..., first:]
@@ -180,6 +200,100 @@ def _check_params(
 
 
 @dataclass(frozen=True)
+class SamplerForm:
+    """The shape of a :class:`SpecSampler`'s graph on rows of one width and dtype: which filters
+    run, the integers they take, and whether the temperature can overflow a row.
+
+    Samplers that differ only in ``temp``, ``top_p`` or ``min_p`` have one form. A graph compiled
+    from :meth:`logits` with those parameters as its inputs (:meth:`SpecSampler.inputs`) serves
+    them all, where written into it as constants each value would compile kernels of its own.
+
+    Attributes:
+        top_p (bool): whether top-p filters (``top_p`` strictly between 0 and 1).
+        min_p (bool): whether min-p filters (``min_p`` above 0 and ``min_tokens_to_keep`` below
+            ``V``).
+        min_tokens_to_keep (int): tokens min-p always keeps.
+        top_k (int): tokens top-k keeps; 0 is off.
+        overflows (bool): whether the scaled log-probability of a row's most likely token can
+            overflow the dtype (then such rows are scaled in float32, see
+            :meth:`SpecSampler.probs`).
+    """
+
+    top_p: bool
+    min_p: bool
+    min_tokens_to_keep: int
+    top_k: int
+    overflows: bool
+
+    def logits(
+        self,
+        logprobs: mx.array,
+        scale: float | mx.array,
+        top_p: float | mx.array,
+        log_min_p: float | mx.array,
+        scale32: float | mx.array,
+    ) -> mx.array:
+        """:meth:`SpecSampler.logits` of the sampler with these parameters, each a float or the
+        ``[]`` array :meth:`SpecSampler.inputs` makes.
+
+        Args:
+            logprobs (array): ``[..., V]`` float32, float16 or bfloat16 log-probabilities, of the
+                width and dtype this form was made for.
+            scale: ``1 / temp``, in the dtype of ``logprobs``.
+            top_p: top-p's mass, float32.
+            log_min_p: ``log(min_p)``, in the dtype of ``logprobs``.
+            scale32: ``1 / temp`` in float32, for the rows that overflow.
+
+        Returns:
+            array: the lazy ``[..., V]`` scores.
+        """
+        minus_inf = mx.array(-math.inf, dtype=logprobs.dtype)
+        if self.top_p:
+            logprobs = mx.where(_top_p_keep(logprobs, top_p, None), logprobs, minus_inf)
+        if self.min_p:
+            keep = _min_p_keep(logprobs, log_min_p, self.min_tokens_to_keep, None)
+            logprobs = mx.where(keep, logprobs, minus_inf)
+        if self.top_k > 0:
+            logprobs = mx.where(top_k_mask(logprobs, self.top_k), logprobs, minus_inf)
+        # mlx-lm multiplies by the reciprocal, rounded to the logprobs dtype; so do we.
+        scaled = logprobs * scale
+        if not self.overflows:
+            return scaled
+        # Such rows are scaled in float32 after subtracting their maximum, which keeps the most
+        # likely token finite (0); the rows where mlx-lm's are finite stay mlx-lm's.
+        top = mx.max(logprobs, axis=-1, keepdims=True).astype(mx.float32)
+        shifted = (logprobs.astype(mx.float32) - top) * scale32
+        return mx.where(mx.isfinite(mx.max(scaled, axis=-1, keepdims=True)), scaled, shifted)
+
+
+def _log_min_p(min_p: float) -> float:
+    return math.log(min_p) if min_p > 0 else 0.0
+
+
+@lru_cache(maxsize=64)
+def _form(sampler: SpecSampler, vocab: int, dtype: mx.Dtype) -> SamplerForm:
+    top_p = 0.0 < sampler.top_p < 1.0
+    min_p = sampler.min_p != 0.0 and sampler.min_tokens_to_keep < vocab
+    top_k = sampler.top_k if sampler.top_k < vocab else 0
+    # The most likely token's log-probability is at least -log(V) (a little less after
+    # rounding): only past this bound can its scaled value overflow the dtype (float16 below
+    # temp ~1e-4), making mlx-lm's whole row -inf or NaN, no distribution.
+    overflows = not (1.0 / sampler.temp) * (math.log(vocab) + 1) < mx.finfo(dtype).max
+    return SamplerForm(top_p, min_p, sampler.min_tokens_to_keep, top_k, overflows)
+
+
+@lru_cache(maxsize=64)
+def _inputs(sampler: SpecSampler, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    scale = 1.0 / sampler.temp
+    return (
+        mx.array(scale, dtype=dtype),
+        mx.array(sampler.top_p, dtype=mx.float32),
+        mx.array(_log_min_p(sampler.min_p), dtype=dtype),
+        mx.array(scale, dtype=mx.float32),
+    )
+
+
+@dataclass(frozen=True)
 class SpecSampler:
     """An mlx-lm sampler that also gives the distribution it draws from.
 
@@ -223,27 +337,22 @@ class SpecSampler:
             array: lazy ``[..., V]``: ``mx.random.categorical`` of it draws as mlx-lm's sampler
             with the same arguments draws.
         """
-        minus_inf = mx.array(-math.inf, dtype=logprobs.dtype)
-        if 0.0 < self.top_p < 1.0:
-            logprobs = mx.where(top_p_mask(logprobs, self.top_p), logprobs, minus_inf)
-        if self.min_p != 0.0:
-            keep = min_p_mask(logprobs, self.min_p, self.min_tokens_to_keep)
-            logprobs = mx.where(keep, logprobs, minus_inf)
-        if self.top_k > 0:
-            logprobs = mx.where(top_k_mask(logprobs, self.top_k), logprobs, minus_inf)
-        # mlx-lm multiplies by the reciprocal, rounded to the logprobs dtype; so do we.
+        _check_logprobs("SpecSampler.logits", logprobs)
+        form = self.form(logprobs)
         scale = 1.0 / self.temp
-        scaled = logprobs * scale
-        # The most likely token's log-probability is at least -log(V) (a little less after
-        # rounding): only past this bound can its scaled value overflow the dtype (float16
-        # below temp ~1e-4), making mlx-lm's whole row -inf or NaN, no distribution.
-        if scale * (math.log(logprobs.shape[-1]) + 1) < mx.finfo(logprobs.dtype).max:
-            return scaled
-        # Such rows are scaled in float32 after subtracting their maximum, which keeps the most
-        # likely token finite (0); the rows where mlx-lm's are finite stay mlx-lm's.
-        top = mx.max(logprobs, axis=-1, keepdims=True).astype(mx.float32)
-        shifted = (logprobs.astype(mx.float32) - top) * scale
-        return mx.where(mx.isfinite(mx.max(scaled, axis=-1, keepdims=True)), scaled, shifted)
+        return form.logits(logprobs, scale, self.top_p, _log_min_p(self.min_p), scale)
+
+    def form(self, logprobs: mx.array) -> SamplerForm:
+        """What the graph of :meth:`logits` on rows like ``logprobs`` is made of, apart from the
+        float parameters: see :class:`SamplerForm`. Not for a greedy sampler."""
+        return _form(self, logprobs.shape[-1], logprobs.dtype)
+
+    def inputs(self, logprobs: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """The float parameters that :meth:`SamplerForm.logits` takes, as ``[]`` arrays rounded
+        as mlx-lm's arithmetic on rows like ``logprobs`` rounds them: ``1 / temp`` in their dtype,
+        ``top_p`` in float32, ``log(min_p)`` in their dtype (0 where min-p is off) and
+        ``1 / temp`` in float32. Made once per dtype. Not for a greedy sampler."""
+        return _inputs(self, logprobs.dtype)
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         """Draw one token per row, as mlx-lm's sampler with the same arguments does.

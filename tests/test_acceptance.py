@@ -108,14 +108,17 @@ def test_a_plain_greedy_token_is_the_next_of_an_empty_draft(row, on_cpu):
         {"temp": 0.7, "top_p": 0.9},
         {"temp": 1.3, "top_k": 3},
         {"temp": 1.0, "min_p": 0.1},
+        {"temp": 0.6},
+        {"temp": 0.8, "min_p": 0.3},
     ],
-    ids=["temp", "top-p", "top-k", "min-p"],
+    ids=["temp", "top-p", "top-k", "min-p", "temp-again", "min-p-again"],
 )
 def test_a_plain_sampled_step_draws_as_mlx_lms_sampler_at_the_positions_state(options):
     # The loop's sampled plain steps (Rule.step) draw what a round without a draft draws
     # (Rule.decide at N = 0) with the same state, which is what mlx-lm's sampler draws when
     # mx.random's state is that state; INVALID_ROW for a row that is no distribution, and always
-    # an id the model can embed.
+    # an id the model can embed. The last two cases reuse the compiled graphs of the first and
+    # the fourth (the same filters), their values those graphs' inputs.
     from mlx_lm.sample_utils import make_sampler as lm_make_sampler
 
     from mlx_spec.rules import make_rule

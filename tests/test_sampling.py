@@ -343,6 +343,23 @@ def test_probs_works_inside_compile():
     assert mx.array_equal(mx.compile(sampler.probs)(rows), sampler.probs(rows)).item()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_compiled_form_gives_each_samplers_own_logits_from_its_inputs(dtype):
+    # Samplers that differ in their values only (temperature, top-p, min-p) share a form; one
+    # graph compiled from it, their values its inputs, gives each sampler's own scores bit for
+    # bit. Values written into the graph at its first call would give the first sampler's. The
+    # lowest temperature overflows float16 (its rows scaled in float32), a form of its own there.
+    rows = _random_logprobs((5, 3000), dtype, seed=14)
+    graphs = {}
+    for temp, top_p, min_p in [(0.7, 0.9, 0.05), (1.3, 0.5, 0.2), (0.31, 0.97, 0.001), (1e-5,) * 3]:
+        sampler = make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=100)
+        form = sampler.form(rows)
+        graph = graphs.setdefault(form, mx.compile(form.logits))
+        ours = graph(rows, *sampler.inputs(rows))
+        assert mx.array_equal(ours, sampler.logits(rows), equal_nan=True).item(), (temp, dtype)
+    assert len(graphs) == (2 if dtype == mx.float16 else 1)
+
+
 def test_probs_works_under_vmap():
     rows = _random_logprobs((2, 9, 1000), mx.float32, seed=12)
     sampler = make_sampler(temp=0.7, top_p=0.9, min_p=0.01, min_tokens_to_keep=3, top_k=100)
