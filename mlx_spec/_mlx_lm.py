@@ -675,18 +675,17 @@ def tracking() -> Iterator[list[Positions]]:
 # --- models ----------------------------------------------------------------------------------
 
 
-def modules(model: nn.Module) -> list[nn.Module]:
+def modules(model: nn.Module) -> Iterator[nn.Module]:
     """Every module of ``model``, in the order of ``model.modules()``, found by walking its
     members (an ``nn.Module`` is a dict of them): ``modules()`` flattens each module's whole tree
     of members, arrays included, and a generation asks for a model's modules several times, so
-    walking them is several times faster on models of many layers."""
-    found = []
+    walking them is several times faster on models of many layers. Lazily, so that a search
+    that stops at the first match (a model's embedding comes early) walks no further."""
     stack = [model]
     while stack:
         module = stack.pop()
-        found.append(module)
+        yield module
         _push_children(stack, module.values())
-    return found
 
 
 def _push_children(stack: list[nn.Module], members: Any) -> None:

@@ -18,8 +18,11 @@ import mlx.core as mx
 
 __all__ = ["KeyChain", "seed_of", "set_global_state"]
 
-#: Positions computed at a time, as one small graph.
-CHUNK = 64
+#: Positions computed at a time, as one small graph. Each state costs a split, as much as the
+#: call of the graph itself does, and a chunk is computed whether or not its positions are
+#: reached: a short generation (a request of a few tokens) would pay for every state a long
+#: chunk computes past its end.
+CHUNK = 16
 
 
 @cache

@@ -707,6 +707,6 @@ def test_the_module_walk_finds_what_modules_finds_in_its_order(build: str) -> No
     # Layers in lists, experts in lists and switch layers, MoE blocks, modules in a dict: a walk
     # that skipped a list or a dict, or went in another order, would differ.
     model = _modules_in_a_dict() if build == "in a dict" else getattr(tiny_models, build)(0)
-    mine = _mlx_lm.modules(model)
+    mine = list(_mlx_lm.modules(model))
     assert [id(m) for m in mine] == [id(m) for m in model.modules()]
     assert len(mine) >= 5

@@ -22,7 +22,7 @@ from helpers import PROMPT, ByteTokenizer, Silent, run
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler as lm_make_sampler
 
-from mlx_spec import cli
+from mlx_spec import cli, keys
 from mlx_spec._demo import DEMO_DIR, GROUNDED, PROMPTS
 from mlx_spec.draft_length import Adaptive, Calibration, Fixed
 from mlx_spec.generation import speculative_generate_step
@@ -64,6 +64,23 @@ def busy_cpu():
     finally:
         burner.kill()
         burner.wait()
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_the_key_chain_is_mx_randoms_sequence_across_its_chunks(steps) -> None:
+    # Position t's state is the state mx.random's sequence reaches after t draws of `steps` keys
+    # each, read in pieces that start and end inside chunks and cross their boundaries.
+    start = mx.random.key(7)
+    expected, state = [], start
+    for _ in range(3 * keys.CHUNK + 5):
+        expected.append(state.tolist())
+        for _ in range(steps):
+            state = mx.random.split(state)[0]
+    chain = keys.KeyChain(start, steps)
+    pieces = [(0, 1), (1, keys.CHUNK), (keys.CHUNK + 1, keys.CHUNK + 3), (3 * keys.CHUNK, 5)]
+    got = [row for first, count in pieces for row in chain.states(first, count).tolist()]
+    assert got == expected[: 2 * keys.CHUNK + 4] + expected[3 * keys.CHUNK :]
+    assert chain.state(keys.CHUNK - 1).tolist() == expected[keys.CHUNK - 1]
 
 
 @pytest.mark.parametrize("name", list(SAMPLERS))
