@@ -931,6 +931,7 @@ def check_progress(stderr: str, total: int) -> None:
     assert stderr.rstrip().endswith("] done"), stderr[-200:]
 
 
+@pytest.mark.slow  # the quick suite runs the default demo, as a user does
 def test_demo_streams_both_drafters_on_both_prompts_then_the_table(monkeypatch):
     # 8 tokens: with the MTP head the demo measures five methods, and 8 keep the time of four.
     proc, rows = demo(monkeypatch, "--max-tokens", "8", "-n", "2", "--color", "always")
@@ -948,6 +949,7 @@ def test_demo_streams_both_drafters_on_both_prompts_then_the_table(monkeypatch):
     assert f"{config['dtype']}, sharing one {config['vocab_size']}-token tokenizer" in first
 
 
+@pytest.mark.slow  # the quick suite runs the default demo, as a user does
 def test_demo_fixed_drafts_n_every_round_and_compares_mlx_lm_at_n(monkeypatch):
     args = ("--max-tokens", "8", "-n", "3", "--fixed", "--color", "never")
     proc, rows = demo(monkeypatch, *args, "--seed", str(2**64 - 1))
