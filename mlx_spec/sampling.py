@@ -239,10 +239,10 @@ class SamplerForm:
         Args:
             logprobs (array): ``[..., V]`` float32, float16 or bfloat16 log-probabilities, of the
                 width and dtype this form was made for.
-            scale: ``1 / temp``, in the dtype of ``logprobs``.
-            top_p: top-p's mass, float32.
-            log_min_p: ``log(min_p)``, in the dtype of ``logprobs``.
-            scale32: ``1 / temp`` in float32, for the rows that overflow.
+            scale (float or array): ``1 / temp``, in the dtype of ``logprobs``.
+            top_p (float or array): top-p's mass, float32.
+            log_min_p (float or array): ``log(min_p)``, in the dtype of ``logprobs``.
+            scale32 (float or array): ``1 / temp`` in float32, for the rows that overflow.
 
         Returns:
             array: the lazy ``[..., V]`` scores.
