@@ -58,7 +58,7 @@ from . import _mlx_lm, batch, batch_caches, batch_mtp, generation, mtp_convert, 
 from ._mlx_lm import lm
 from .batch_length import BatchAdaptive
 from .mtp import head_of
-from .sampling import make_sampler
+from .sampling import SamplerForm, make_sampler
 
 __all__ = ["patch_mlx_lm", "unpatch_mlx_lm"]
 
@@ -107,7 +107,7 @@ class _MlxLmSampler:
     def logits(self, logprobs: mx.array) -> mx.array:
         return self.distribution.logits(logprobs)
 
-    def form(self, logprobs: mx.array) -> Any:
+    def form(self, logprobs: mx.array) -> SamplerForm:
         return self.distribution.form(logprobs)
 
     def inputs(self, logprobs: mx.array) -> tuple[mx.array, ...]:

@@ -338,9 +338,14 @@ class SpecSampler:
             with the same arguments draws.
         """
         _check_logprobs("SpecSampler.logits", logprobs)
-        form = self.form(logprobs)
+        return self._logits(logprobs)
+
+    def _logits(self, logprobs: mx.array) -> mx.array:
+        """:meth:`logits` of checked ``logprobs``, its values written into the graph as floats."""
         scale = 1.0 / self.temp
-        return form.logits(logprobs, scale, self.top_p, _log_min_p(self.min_p), scale)
+        return self.form(logprobs).logits(
+            logprobs, scale, self.top_p, _log_min_p(self.min_p), scale
+        )
 
     def form(self, logprobs: mx.array) -> SamplerForm:
         """What the graph of :meth:`logits` on rows like ``logprobs`` is made of, apart from the
@@ -371,7 +376,7 @@ class SpecSampler:
         _check_logprobs("SpecSampler.__call__", logprobs)
         if self.greedy:
             return mx.argmax(logprobs, axis=-1)
-        return mx.random.categorical(self.logits(logprobs))
+        return mx.random.categorical(self._logits(logprobs))
 
     def probs(self, logprobs: mx.array) -> mx.array:
         """The distribution :meth:`__call__` draws from.
@@ -396,7 +401,7 @@ class SpecSampler:
             best = mx.argmax(logprobs, axis=-1, keepdims=True)
             return (mx.arange(logprobs.shape[-1]) == best).astype(mx.float32)
         # mx.random.categorical adds float32 Gumbel noise, so it draws from this softmax.
-        return mx.softmax(self.logits(logprobs).astype(mx.float32), axis=-1)
+        return mx.softmax(self._logits(logprobs).astype(mx.float32), axis=-1)
 
 
 def make_sampler(
