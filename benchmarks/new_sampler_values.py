@@ -54,9 +54,13 @@ def seconds(run: Callable[[dict[str, float]], None], options: dict[str, float]) 
 
 def main(argv: list[str] | None = None) -> list[dict[str, float]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--values", type=int, default=6, help="sets of sampler values")
+    parser.add_argument("--values", type=int, default=6, help="sets of sampler values, 1 to 10")
     parser.add_argument("--tokens", type=int, default=16, help="tokens a generation")
     args = parser.parse_args(argv)
+    if not 1 <= args.values <= 10:
+        parser.error(f"--values must be 1 to 10 (top-p stays below 1), got {args.values}")
+    if args.tokens < 1:
+        parser.error(f"--tokens must be at least 1, got {args.tokens}")
     target, _, tokenizer = bench.load_demo_pair()
     prompt = mx.array(tokenizer.encode(PROMPTS[0]))
 
