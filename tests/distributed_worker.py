@@ -1,4 +1,4 @@
-"""One rank of ``tests/test_distributed.py``, started by ``mlx.launch`` on the ring backend.
+"""One rank of ``tests/test_distributed.py`` on the ring backend, started as ``mlx.launch`` would.
 
 For each setting named on the command line the rank builds (or loads) the setting's models,
 splits the target over the group, runs the setting's cases and writes what each case gave

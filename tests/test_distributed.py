@@ -1,19 +1,19 @@
-"""Speculation on a target split over 2 processes: ``mlx.launch`` on the loopback, ring backend.
+"""Speculation on a target split over 2 processes of MLX's ring backend on the loopback.
 
-How the ranks start: ``mlx.launch -n 2 --backend ring --starting-port P -- python
-tests/distributed_worker.py OUT SETTING...``. For the host ``127.0.0.1`` (its default)
-``mlx.launch`` starts each rank as a local ``bash`` child (no ssh, no MPI) with ``MLX_RANK`` and
-an ``MLX_HOSTFILE`` naming ``127.0.0.1:P`` and ``127.0.0.1:P+1``; the ring backend, which MLX's
-pip wheels include on Linux and macOS, connects the two ranks over TCP there. So it needs only
-what CI installs with pip, and ``P`` is a pair of ports found free, so that runs on one machine
-do not collide.
+How the ranks start: as ``mlx.launch -n 2 --backend ring --starting-port P`` starts them on the
+host ``127.0.0.1`` (its default), each a local child with ``MLX_RANK`` and an ``MLX_HOSTFILE``
+naming ``127.0.0.1:P`` and ``127.0.0.1:P+1``; the ring backend, which MLX's pip wheels include
+on Linux and macOS, connects the two ranks over TCP there. So it needs only what CI installs with
+pip, and ``P`` is a pair of ports found free, so that runs on one machine do not collide.
+:func:`launch` starts the ranks of :mod:`distributed_worker` itself: ``mlx.launch`` forwards its
+ranks' pipes in a loop that never blocks, which takes one of the 2 cores from the ranks for the
+whole launch. The command's tests go through ``mlx.launch``, as its users do.
 
-``mlx.launch`` exits 0 even when a rank fails, so the test reads what each rank wrote to its own
-file: a missing file fails the test, with the launch's output. Every launch runs in its own
-process group under a hard timeout, after which the whole group is killed; a rank that dies or
-hangs fails a test and never hangs the suite (``mlx.launch`` also stops the other ranks when one
-exits with an error). One launch runs every quick setting; the tests below read its results.
-:func:`launch` runs any command so, ``python -m mlx_spec ...`` as well.
+A launch reads what each rank wrote to its own file (``mlx.launch`` exits 0 even when a rank
+fails): a missing file fails the test, with the launch's output. Every rank runs in its own
+process group under a hard timeout, after which the groups are killed; a rank that dies or hangs
+fails a test and never hangs the suite, and as ``mlx.launch`` does, a rank that exits with an
+error stops the other. One launch runs every quick setting; the tests below read its results.
 
 References come from this process: the same models built or loaded unsplit, mlx-lm's plain
 ``generate_step`` for greedy, and :func:`speculative_generate_step` with the same key for sampled.
@@ -28,6 +28,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,8 @@ RANKS = 2
 # Several times the quick launch's time on 2 cores shared with other heavy work; only a hung
 # launch reaches it.
 TIMEOUT_S = 240
+# Seconds the other ranks get to end by themselves once one has failed.
+GRACE_S = 5
 QUICK = ("tensor", "pipeline", "hybrid")
 # The one setting the quick suite launches: the tiny qwen2's pipeline, the fastest. The demo
 # target's tensor split and the hybrid pipeline take most of the launch's time; --full runs them.
@@ -97,39 +101,73 @@ def mlx_launch() -> str:
     return found
 
 
-def launch(*command: str) -> str:
-    """Runs ``command`` on 2 ranks with ``mlx.launch``; returns the launch's output (stdout and
-    stderr together).
+def launch(*command: str, through_mlx_launch: bool = False) -> str:
+    """Runs ``command`` on 2 ranks of the ring backend; returns their output (stdout and stderr
+    together, rank by rank, or as ``mlx.launch`` forwarded it).
 
-    The ranks run in the launch's own process group, killed whole after :data:`TIMEOUT_S`.
+    Each rank (or ``mlx.launch``) runs in a process group of its own, killed after
+    :data:`TIMEOUT_S` and at the end; a rank that exits with an error ends the others.
     """
-    launcher = [mlx_launch(), "-n", str(RANKS), "--backend", "ring"]
-    launcher += ["--starting-port", str(free_ports(RANKS)), "--"]
+    port = free_ports(RANKS)
     paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
     # Offline: loading the demo target with sharded_load must not reach the network.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths)), "HF_HUB_OFFLINE": "1"}
-    process = subprocess.Popen(
-        [*launcher, *command],
-        cwd=ROOT,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"mlx.launch ran over {TIMEOUT_S} s; its ranks were killed. Output:\n{output}")
-    finally:
+    with tempfile.TemporaryDirectory() as folder:
+        if through_mlx_launch:
+            launcher = [mlx_launch(), "-n", str(RANKS), "--backend", "ring"]
+            runs = [([*launcher, "--starting-port", str(port), "--", *command], env)]
+        else:
+            hostfile = Path(folder) / "hosts.json"
+            hostfile.write_text(json.dumps([[f"127.0.0.1:{port + r}"] for r in range(RANKS)]))
+            rank_envs = [{"MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile)} for r in range(RANKS)]
+            runs = [(list(command), {**env, **rank}) for rank in rank_envs]
+        outputs = [Path(folder) / f"output{i}.txt" for i in range(len(runs))]
+        processes = []
         try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            for (run, run_env), output in zip(runs, outputs, strict=True):
+                processes.append(start(run, run_env, output))
+            timed_out = not wait_for_all(processes, TIMEOUT_S)
+        finally:
+            for process in processes:
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                process.wait()
+        output = "".join(path.read_text() for path in outputs)
+    if timed_out:
+        pytest.fail(f"the launch ran over {TIMEOUT_S} s; its ranks were killed. Output:\n{output}")
     return output
+
+
+def start(command: list[str], env: dict[str, str], output: Path) -> subprocess.Popen:
+    """``command`` started in a process group of its own, writing to ``output``."""
+    with output.open("w") as out:
+        return subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def wait_for_all(processes: list[subprocess.Popen], timeout: float) -> bool:
+    """Waits until every process has exited; False if ``timeout`` seconds pass first. Once one
+    has exited with an error, the others get :data:`GRACE_S` to end by themselves (a rank blocked
+    on the ring never does)."""
+    deadline = time.monotonic() + timeout
+    failed = False
+    while any(process.poll() is None for process in processes):
+        if not failed and any(process.poll() for process in processes):
+            failed = True
+            deadline = min(deadline, time.monotonic() + GRACE_S)
+        if time.monotonic() > deadline:
+            return failed
+        time.sleep(0.05)
+    return True
 
 
 def worker(out: Path, *settings: str) -> list[str]:
@@ -402,6 +440,7 @@ def test_the_command_splits_the_target_and_only_rank_0_prints(drafts) -> None:
     output = launch(
         sys.executable, "-m", "mlx_spec", "generate", "--model", str(demo / "target"), *drafts,
         "--prompt", prompt, "--temp", "0.8", "--max-tokens", "24", "--ignore-chat-template",
+        through_mlx_launch=True,
     )  # fmt: skip
     # One summary: rank 1 printed nothing, and no rank failed.
     assert output.count("Speculation: ") == 1, output
