@@ -3,6 +3,7 @@ float32 matrix products on CUDA, the tiny llama models the generation tests shar
 model's folders with and without an MTP head."""
 
 import os
+import signal
 
 # The generation tests compare speculative decoding with token-at-a-time generation of a float32
 # model, which needs the target's logits for a position to be the same whether 1 or N + 1 positions
@@ -13,6 +14,11 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+# Tests stop servers and commands with SIGINT, as Ctrl-C does. A shell without job control starts
+# a background command (``pytest &`` in a script) with SIGINT ignored, which its children inherit;
+# Python's own handler here makes them start with the default action again.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 settings.register_profile(
     "deterministic",
