@@ -932,25 +932,8 @@ def check_progress(stderr: str, total: int) -> None:
 
 
 @pytest.mark.slow  # the quick suite runs the default demo, as a user does
-def test_demo_streams_both_drafters_on_both_prompts_then_the_table(monkeypatch):
-    # 8 tokens: with the MTP head the demo measures five methods, and 8 keep the time of four.
-    proc, rows = demo(monkeypatch, "--max-tokens", "8", "-n", "2", "--color", "always")
-    assert proc.returncode == 0, proc.stderr
-    texts = check_demo_streams(proc.stdout, 2, False, 8)
-    check_greedy_streams_are_the_targets_greedy_text(proc.stdout, texts, 8)
-    table = check_demo_table(proc.stdout, 2, False, min(2, mlx_lm_command_default_n()))
-    assert_spread_table(proc.stdout, rows)
-    check_verdicts(proc.stdout, table, "adaptive", 2)
-    check_progress(proc.stderr, 2 * 2 * 5 * 2)  # workloads, temperatures, methods, repeats
-    assert "\x1b[32m" in proc.stdout and "shown in green" in proc.stdout
-    first = proc.stdout.splitlines()[0]
-    assert f"{shipped_model_facts('target')} and {shipped_model_facts('draft')}" in first
-    config = json.loads((DEMO / "target" / "config.json").read_text())
-    assert f"{config['dtype']}, sharing one {config['vocab_size']}-token tokenizer" in first
-
-
-@pytest.mark.slow  # the quick suite runs the default demo, as a user does
 def test_demo_fixed_drafts_n_every_round_and_compares_mlx_lm_at_n(monkeypatch):
+    # 8 tokens: with the MTP head the demo measures five methods, and 8 keep the time of four.
     args = ("--max-tokens", "8", "-n", "3", "--fixed", "--color", "never")
     proc, rows = demo(monkeypatch, *args, "--seed", str(2**64 - 1))
     assert proc.returncode == 0, proc.stderr
@@ -963,15 +946,22 @@ def test_demo_fixed_drafts_n_every_round_and_compares_mlx_lm_at_n(monkeypatch):
 
 def test_demo_by_default_adapts_up_to_8_and_runs_mlx_lm_at_its_commands_n():
     """Also the smoke test of the installed command: ``python -m mlx_spec demo``, with its own
-    number of runs."""
+    number of runs and colours, as on a terminal; it streams both drafters on both prompts,
+    then the table."""
     from mlx_spec.cli.demo import REPEATS
 
-    proc = mlx_spec_cmd("demo", "--max-tokens", "4", "--color", "never")
+    proc = mlx_spec_cmd("demo", "--max-tokens", "4", "--color", "always")
     assert proc.returncode == 0, proc.stderr
-    check_demo_streams(proc.stdout, 8, False, 4)
+    texts = check_demo_streams(proc.stdout, 8, False, 4)
+    check_greedy_streams_are_the_targets_greedy_text(proc.stdout, texts, 4)
     table = check_demo_table(proc.stdout, 8, False, min(8, mlx_lm_command_default_n()))
     check_verdicts(proc.stdout, table, "adaptive", REPEATS)
-    check_progress(proc.stderr, 2 * 2 * 5 * REPEATS)
+    check_progress(proc.stderr, 2 * 2 * 5 * REPEATS)  # workloads, temperatures, methods, runs
+    assert "\x1b[32m" in proc.stdout and "shown in green" in proc.stdout
+    first = proc.stdout.splitlines()[0]
+    assert f"{shipped_model_facts('target')} and {shipped_model_facts('draft')}" in first
+    config = json.loads((DEMO / "target" / "config.json").read_text())
+    assert f"{config['dtype']}, sharing one {config['vocab_size']}-token tokenizer" in first
 
 
 def test_marker_colours_runs_of_draft_tokens(monkeypatch):
