@@ -149,7 +149,10 @@ def test_help_lists_the_subcommands():
     [
         (
             "demo",
-            ["--max-tokens", "--num-draft-tokens", "--fixed", "--seed", "--color", "prompt lookup"],
+            [
+                *("--max-tokens", "--num-draft-tokens", "--fixed", "--repeats", "--seed"),
+                *("--color", "prompt lookup"),
+            ],
         ),
         (
             "generate",
@@ -615,6 +618,8 @@ def test_generate_needs_its_models():
         (["demo", "-n", "65"], ["--num-draft-tokens", "must be in [1, 64]"]),
         (["demo", "--seed", str(2**64)], ["--seed", "must be in [0, 18446744073709551615]"]),
         (["demo", "--seed", "-1"], ["--seed", "must be in [0, 18446744073709551615]"]),
+        (["demo", "--repeats", "1"], ["--repeats", "must be in [2, 50] (a range needs two runs)"]),
+        (["demo", "--repeats", "51"], ["--repeats", "must be in [2, 50]"]),
         (["demo", "--color", "pink"], ["--color", "invalid choice"]),
         (["demo", "--fixed=yes"], ["--fixed", "ignored explicit argument"]),
         (["bench", "--frobnicate"], ["unrecognized arguments", "--frobnicate"]),
@@ -904,12 +909,10 @@ def shipped_model_facts(role: str) -> str:
     )
 
 
-def demo(monkeypatch, *args: str, repeats: int = 2) -> tuple[Ran, list[dict]]:
-    """``mlx-spec demo *args`` in this process, measuring ``repeats`` runs a method and prompt
-    (the command's :data:`REPEATS` is the user's; fewer keep the suite short); returns what it
-    printed and the rows it measured."""
+def demo(monkeypatch, *args: str) -> tuple[Ran, list[dict]]:
+    """``mlx-spec demo *args`` in this process; returns what it printed and the rows it
+    measured."""
     from mlx_spec import bench
-    from mlx_spec.cli import demo as command
 
     measured = []
 
@@ -918,7 +921,6 @@ def demo(monkeypatch, *args: str, repeats: int = 2) -> tuple[Ran, list[dict]]:
         return measured
 
     bench_measure = bench.measure
-    monkeypatch.setattr(command, "REPEATS", repeats)
     monkeypatch.setattr(bench, "measure", measure)
     return mlx_spec_main("demo", *args), measured
 
@@ -934,7 +936,7 @@ def check_progress(stderr: str, total: int) -> None:
 @pytest.mark.slow  # the quick suite runs the default demo, as a user does
 def test_demo_fixed_drafts_n_every_round_and_compares_mlx_lm_at_n(monkeypatch):
     # 8 tokens: with the MTP head the demo measures five methods, and 8 keep the time of four.
-    args = ("--max-tokens", "8", "-n", "3", "--fixed", "--color", "never")
+    args = ("--max-tokens", "8", "-n", "3", "--fixed", "--color", "never", "--repeats", "2")
     proc, rows = demo(monkeypatch, *args, "--seed", str(2**64 - 1))
     assert proc.returncode == 0, proc.stderr
     check_demo_streams(proc.stdout, 3, True, 8)
@@ -945,18 +947,17 @@ def test_demo_fixed_drafts_n_every_round_and_compares_mlx_lm_at_n(monkeypatch):
 
 
 def test_demo_by_default_adapts_up_to_8_and_runs_mlx_lm_at_its_commands_n():
-    """Also the smoke test of the installed command: ``python -m mlx_spec demo``, with its own
-    number of runs and colours, as on a terminal; it streams both drafters on both prompts,
-    then the table."""
-    from mlx_spec.cli.demo import REPEATS
-
-    proc = mlx_spec_cmd("demo", "--max-tokens", "4", "--color", "always")
+    """Also the smoke test of the installed command: ``python -m mlx_spec demo`` with colours,
+    as on a terminal, and 2 runs a method (its default is the user's); it streams both drafters
+    on both prompts, then the table."""
+    proc = mlx_spec_cmd("demo", "--max-tokens", "4", "--color", "always", "--repeats", "2")
     assert proc.returncode == 0, proc.stderr
     texts = check_demo_streams(proc.stdout, 8, False, 4)
     check_greedy_streams_are_the_targets_greedy_text(proc.stdout, texts, 4)
     table = check_demo_table(proc.stdout, 8, False, min(8, mlx_lm_command_default_n()))
-    check_verdicts(proc.stdout, table, "adaptive", REPEATS)
-    check_progress(proc.stderr, 2 * 2 * 5 * REPEATS)  # workloads, temperatures, methods, runs
+    check_verdicts(proc.stdout, table, "adaptive", 2)
+    check_progress(proc.stderr, 2 * 2 * 5 * 2)  # workloads, temperatures, methods, runs
+    assert "the median of the 2 steady runs" in proc.stdout
     assert "\x1b[32m" in proc.stdout and "shown in green" in proc.stdout
     first = proc.stdout.splitlines()[0]
     assert f"{shipped_model_facts('target')} and {shipped_model_facts('draft')}" in first
@@ -1205,7 +1206,9 @@ def test_fuzz_generate_options(fuzz_dir, options):
 
 @settings(max_examples=15)
 @given(
-    options=drawn_options(["--max-tokens", "--num-draft-tokens", "--fixed", "--seed", "--color"])
+    options=drawn_options(
+        ["--max-tokens", "--num-draft-tokens", "--fixed", "--repeats", "--seed", "--color"]
+    )
 )
 def test_fuzz_demo_options(fuzz_dir, options):
     """Every value of the demo is checked by its parser; a word after the options that no

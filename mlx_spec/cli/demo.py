@@ -2,11 +2,11 @@
 
 On an input-grounded prompt (text the output repeats) and an open one, at two temperatures, the
 draft model, prompt lookup and the target's own MTP head (where the shipped target has one) stream
-completions with the accepted draft tokens marked; then a
-table compares plain decoding, mlx-lm's speculative decoding and mlx-spec with each drafter, over
-:data:`REPEATS` interleaved runs: the median and range of each one's tokens/s and of its ratio to
-plain decoding, whether the machine held still enough for a verdict (from plain decoding's own
-spread: :func:`mlx_spec.bench.noise`), and a verdict per drafter (:func:`mlx_spec.bench.verdicts`).
+completions with the accepted draft tokens marked; then a table compares plain decoding, mlx-lm's
+speculative decoding and mlx-spec with each drafter, over ``--repeats`` (:data:`REPEATS` by
+default) interleaved runs: the median and range of each one's tokens/s and of its ratio to plain
+decoding, whether the machine held still enough for a verdict (from plain decoding's own spread:
+:func:`mlx_spec.bench.noise`), and a verdict per drafter (:func:`mlx_spec.bench.verdicts`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from ._common import (
     CliError,
     Parser,
     Progress,
+    integer,
     max_tokens,
     num_draft_tokens,
     prefer_mlx_attention,
@@ -37,9 +38,12 @@ SHOWN = {"input-grounded": GROUNDED[1], "open": PROMPTS[0]}
 whose methods repeat a pattern, short enough to read, and the start of a function."""
 TEMPS = (0.0, 0.8)
 REPEATS = 5
-"""How many times the table measures each method on each prompt, in passes over the methods whose
-order turns by one each time (:func:`mlx_spec.bench.measure`), so that a busy moment of the
-machine weighs on no method alone: five give a median, and a range that shows the noise."""
+"""How many times the table measures each method on each prompt by default, in passes over the
+methods whose order turns by one each time (:func:`mlx_spec.bench.measure`), so that a busy
+moment of the machine weighs on no method alone: five give a median, and a range that shows the
+noise."""
+MAX_REPEATS = 50
+"""The most ``--repeats``: with the five methods, two prompts and two temperatures, 1,000 runs."""
 
 
 def setup_arg_parser() -> Parser:
@@ -76,6 +80,15 @@ def setup_arg_parser() -> Parser:
         "--fixed",
         action="store_true",
         help="draft exactly --num-draft-tokens every round, mlx-lm's loop too",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=integer(2, MAX_REPEATS, " (a range needs two runs)"),
+        default=REPEATS,
+        help=(
+            f"times the table measures each method on each prompt, 2 to {MAX_REPEATS}: fewer "
+            f"finish sooner, more give a steadier median (default: {REPEATS})"
+        ),
     )
     parser.add_argument(
         "--seed",
@@ -190,7 +203,7 @@ def _demo(args: argparse.Namespace) -> int:
                 _stream(target, tokenizer, text, temp, args, color, options)
 
     print(
-        f"\nMeasuring {len(compared)} methods on each prompt at each temperature, {REPEATS} "
+        f"\nMeasuring {len(compared)} methods on each prompt at each temperature, {args.repeats} "
         f"times, interleaved, at {args.max_tokens} tokens (seed 0; the first time twice in a "
         "row: first use, steady state); progress on stderr.",
         flush=True,
@@ -198,7 +211,7 @@ def _demo(args: argparse.Namespace) -> int:
     workloads = {k: [mx.array(tokenizer.encode(v))] for k, v in SHOWN.items()}
     progress = Progress()
     rows = bench.measure(
-        compared, workloads, TEMPS, args.max_tokens, repeats=REPEATS, on_run=progress
+        compared, workloads, TEMPS, args.max_tokens, repeats=args.repeats, on_run=progress
     )
     progress.done()
     lines = bench.summarize(rows)
@@ -210,7 +223,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(
         f"\nplain: mlx_lm.generate.generate_step. mlx-lm N={lm_n}: mlx-lm's speculative decoding "
         f"with the draft model{lm_n_why}. {kinds}: mlx-spec with the draft model, with prompt "
-        f"lookup{withs}.\ntok/s: the median of the {REPEATS} steady runs (all but the first "
+        f"lookup{withs}.\ntok/s: the median of the {args.repeats} steady runs (all but the first "
         "run's first time), and in brackets their range; first-use time / steady: the first "
         "time over a steady run's. tok/round: tokens per target call.\nx plain: tok/s over "
         "plain decoding's on the same prompt at the same temperature, run by run: the median and "
