@@ -986,6 +986,9 @@ SMALL = {"drafts": (2,), "prompts": 1, "max_tokens": 8, "repeats": 2}
 repeats (8 tokens: with the MTP head's two methods, the time of 12 without them)."""
 
 
+# The quick suite runs the bench in test_interrupted_bench_keeps_what_it_measured (to its first
+# row); every row, the table and the plot are checked here, in the full suite.
+@pytest.mark.slow
 def test_bench_quick_writes_results_a_consistent_table_and_a_plot(tmp_path, monkeypatch):
     """``--quick`` made smaller in this process: :data:`SMALL`, and as input-grounded prompt the
     demo's, a third the length of the benchmark's first (on a CPU its prefill dominates short
