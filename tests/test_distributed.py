@@ -6,7 +6,7 @@ naming ``127.0.0.1:P`` and ``127.0.0.1:P+1``; the ring backend, which MLX's pip 
 on Linux and macOS, connects the two ranks over TCP there. So it needs only what CI installs with
 pip, and ``P`` is a pair of ports found free, so that runs on one machine do not collide.
 :func:`launch` starts the ranks of :mod:`distributed_worker` itself: ``mlx.launch`` forwards its
-ranks' pipes in a loop that never blocks, which takes one of the 2 cores from the ranks for the
+ranks' pipes in a loop that never blocks, which kept about half of one of the 2 cores busy for the
 whole launch. The command's tests go through ``mlx.launch``, as its users do.
 
 A launch reads what each rank wrote to its own file (``mlx.launch`` exits 0 even when a rank
