@@ -1,6 +1,7 @@
 """Shared test configuration: deterministic hypothesis, the ``--full`` switch for heavy runs, full
-float32 matrix products on CUDA, the tiny llama models the generation tests share, and a tiny
-model's folders with and without an MTP head."""
+float32 matrix products on CUDA, SIGINT's default action for the processes the tests start, the
+tiny llama models the generation tests share, and a tiny model's folders with and without an MTP
+head."""
 
 import os
 import signal
