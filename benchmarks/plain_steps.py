@@ -17,6 +17,22 @@ is decoded instead:
 - ``stretch`` and ``lookup``: :class:`mlx_spec.batch.SpeculativeBatch` with the same drafters and
   :class:`mlx_spec.BatchAdaptive` lengths, as the patched server runs it.
 
+With ``--ablate`` (batch 1), four more methods split a stretch's cost over mlx-lm's into its
+parts. Three are loops of pipelined plain steps written as mlx-lm's ``generate_step`` runs them
+(the next step built on the lazy token and started before the token is read):
+
+- ``loop``: mlx-lm's operations (its cache, ``logits - logsumexp``, its sampler): it should cost
+  what ``plain`` costs;
+- ``+draw``: the token drawn as a stretch draws it (:meth:`mlx_spec.rules.Rule.step`, with the
+  position's state from :class:`mlx_spec.keys.KeyChain`);
+- ``+cache``: ``+draw`` with the model fed as a stretch feeds it (:meth:`mlx_spec.loop.Target.step`:
+  the checkpoints and bookkeeping of :class:`mlx_spec.caches.ModelCache`).
+
+``+draw`` over ``loop`` and ``+cache`` over ``+draw`` are those parts' costs, and ``stretch`` over
+``+cache`` the loop's own host work each step (the policy, the text, the counts). The fourth,
+``lookup, one policy``, is ``lookup`` with one :class:`mlx_spec.draft_length.Adaptive` kept over
+its runs, as a caller that keeps it: it measures what rounds cost in its first run only.
+
 Pairs: those of ``benchmarks/generation.py`` (their first open prompt), and ``host``: a model with
 next to no device work (an embedding and its transpose), whose time per token is the loops' own
 host work and synchronisation.
@@ -27,7 +43,7 @@ attention is left off (``MLX_CUDA_USE_CUDNN_SDPA=0``, as ``mlx-spec`` sets it) u
 environment sets it, so no method pays for building attention graphs of new shapes.
 
 Usage: ``python benchmarks/plain_steps.py [--pair host demo 16x2048 ...] [--temps 0 0.8]
-[--tokens 256] [--repeats 7] [--batch 1]``.
+[--tokens 256] [--repeats 7] [--batch 1] [--ablate]``.
 """
 
 from __future__ import annotations
@@ -45,7 +61,7 @@ os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "0")
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import BatchGenerator, generate_step
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler as lm_make_sampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -55,9 +71,13 @@ from generation import build_pair
 from mlx_spec import _mlx_lm
 from mlx_spec.batch import SpeculativeBatch
 from mlx_spec.batch_length import BatchAdaptive
+from mlx_spec.caches import ModelCache
+from mlx_spec.draft_length import Adaptive
 from mlx_spec.drafters import Draft, Drafter, PromptLookupDrafter
-from mlx_spec.generation import speculative_generate_step
-from mlx_spec.loop import Text
+from mlx_spec.generation import generation_stream, speculative_generate_step
+from mlx_spec.keys import KeyChain
+from mlx_spec.loop import Target, Text, vocab_size
+from mlx_spec.rules import make_rule
 from mlx_spec.sampling import make_sampler
 
 
@@ -100,7 +120,7 @@ def _target_and_prompt(name: str) -> tuple[nn.Module, mx.array]:
 
 
 def _methods(
-    target: nn.Module, prompt: mx.array, tokens: int, temp: float
+    target: nn.Module, prompt: mx.array, tokens: int, temp: float, ablate: bool = False
 ) -> dict[str, Callable[[], None]]:
     def plain() -> None:
         mx.random.seed(0)
@@ -108,23 +128,96 @@ def _methods(
         for _ in generate_step(prompt, target, max_tokens=tokens, sampler=sampler):
             pass
 
-    def adaptive(drafter: Drafter | str) -> Callable[[], None]:
+    def adaptive(drafter: Drafter | str, policy: Adaptive | None = None) -> Callable[[], None]:
         def run() -> None:
             steps = speculative_generate_step(
                 prompt,
                 target,
                 drafter=drafter,
-                adaptive=True,
+                adaptive=policy is None,
                 max_tokens=tokens,
                 sampler=make_sampler(temp=temp),
                 key=mx.random.key(0),
+                policy=policy,
             )
             for _ in steps:
                 pass
 
         return run
 
-    return {"plain": plain, "stretch": adaptive(Silent()), "lookup": adaptive("prompt-lookup")}
+    methods = {"stretch": adaptive(Silent()), "lookup": adaptive("prompt-lookup")}
+    if ablate:
+        # Kept over the runs: it measures what rounds cost in its first run only.
+        methods["lookup, one policy"] = adaptive("prompt-lookup", Adaptive())
+    return {"plain": plain, **methods}
+
+
+def _ablation(
+    target: nn.Module, prompt: mx.array, tokens: int, temp: float
+) -> dict[str, Callable[[], list[int]]]:
+    """The loops of ``--ablate`` (see the module's description); each returns its tokens, those
+    of mlx-lm's ``generate_step`` with ``mx.random.seed(0)``."""
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    vocab = vocab_size(target)
+
+    def lm_draw() -> Callable[[mx.array, int], tuple[mx.array, mx.array]]:
+        mx.random.seed(0)
+        sampler = lm_make_sampler(temp=temp)
+
+        def draw(logits: mx.array, position: int) -> tuple[mx.array, mx.array]:
+            token = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            return token, token
+
+        return draw
+
+    def spec_draw() -> Callable[[mx.array, int], tuple[mx.array, mx.array]]:
+        rule = make_rule(make_sampler(temp=temp), vocab=vocab)
+        chain = KeyChain(mx.random.key(0), rule.steps) if rule.random else None
+
+        def draw(logits: mx.array, position: int) -> tuple[mx.array, mx.array]:
+            key = chain.states(position, 1) if chain is not None else None
+            token, fed, _ = rule.step(logits, key, on_cpu=on_cpu)
+            return token, fed
+
+        return draw
+
+    def lm_feed() -> Callable[[mx.array], mx.array]:
+        cache = make_prompt_cache(target)
+        target(prompt[None, :-1], cache=cache)
+        mx.eval([c.state for c in cache])
+        return lambda y: target(y[None], cache=cache)[0, -1:]
+
+    def spec_feed() -> Callable[[mx.array], mx.array]:
+        model_cache = ModelCache(make_prompt_cache(target), model=target)
+        fed = Target(target, model_cache, [], lambda layers: None, None, vocab)
+        text = Text(prompt.astype(mx.uint32), prompt.tolist())
+        fed.prefill(text, 512)
+        return lambda y: fed.step(y, None)
+
+    def loop(make_draw: Callable, make_feed: Callable) -> Callable[[], list[int]]:
+        def run() -> list[int]:
+            made = []
+            with mx.stream(generation_stream):
+                draw, feed = make_draw(), make_feed()
+                token, fed = draw(feed(prompt[-1:]), 0)
+                mx.async_eval(token)
+                for position in range(tokens):
+                    ahead = None
+                    if position + 1 < tokens:
+                        ahead = draw(feed(fed), position + 1)
+                        mx.async_eval(ahead[0])
+                    made.append(token.item())
+                    if ahead is not None:
+                        token, fed = ahead
+            return made
+
+        return run
+
+    return {
+        "loop": loop(lm_draw, lm_feed),
+        "+draw": loop(spec_draw, lm_feed),
+        "+cache": loop(spec_draw, spec_feed),
+    }
 
 
 def _batch_methods(
@@ -171,25 +264,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    parser.add_argument("--ablate", action="store_true", help="split a stretch's cost (batch 1)")
     args = parser.parse_args(argv)
     if args.batch < 1:
         parser.error(f"--batch must be >= 1, got {args.batch}")
+    if args.ablate and args.batch != 1:
+        parser.error("--ablate times single sequences: leave --batch at 1")
+    names = ["plain", "stretch", "lookup"]
+    names += ["lookup, one policy", "loop", "+draw", "+cache"] if args.ablate else []
     print(
         f"# plain steps: {mx.default_device()}, MLX {mx.__version__}, batch {args.batch}, "
         f"{args.tokens} tokens a sequence, "
         f"median of {args.repeats} interleaved runs; ms a token "
         "(plain / method: above 1 is faster than mlx-lm's plain decoding)"
     )
-    print("| pair | temp | plain | stretch | lookup | plain / stretch | plain / lookup |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        f"| pair | temp | {' | '.join(names)} | "
+        f"{' | '.join(f'plain / {name}' for name in names[1:])} |"
+    )
+    print("|---|---|" + "---|" * (2 * len(names) - 1))
     for name in args.pair:
         target, prompt = _target_and_prompt(name)
         for temp in args.temps:
             methods = (
-                _methods(target, prompt, args.tokens, temp)
+                _methods(target, prompt, args.tokens, temp, args.ablate)
                 if args.batch == 1
                 else _batch_methods(target, prompt, args.tokens, temp, args.batch)
             )
+            if args.ablate:
+                methods |= _ablation(target, prompt, args.tokens, temp)
             for run in methods.values():  # warm-up: compilation and first-use graphs
                 run()
             times: dict[str, list[float]] = {method: [] for method in methods}
@@ -200,12 +303,10 @@ def main(argv: list[str] | None = None) -> None:
                     seconds = time.perf_counter() - start
                     times[method].append(1e3 * seconds / (args.tokens * args.batch))
             ms = {method: statistics.median(values) for method, values in times.items()}
-            print(
-                f"| {name} | {temp} | {ms['plain']:.3f} | {ms['stretch']:.3f} | "
-                f"{ms['lookup']:.3f} | {ms['plain'] / ms['stretch']:.2f}x | "
-                f"{ms['plain'] / ms['lookup']:.2f}x |",
-                flush=True,
-            )
+            cells = [f"{ms[m]:.3f}" for m in names] + [
+                f"{ms['plain'] / ms[m]:.2f}x" for m in names[1:]
+            ]
+            print(f"| {name} | {temp} | {' | '.join(cells)} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import assert_generation_table, assert_ratio, markdown_table
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler as lm_make_sampler
 from tiny_models import tiny_llama
 
 from mlx_spec import _demo, bench
@@ -174,14 +176,15 @@ def test_proposal_cost_table():
 
 def test_plain_steps_table():
     proc = script(
-        "plain_steps", "--pair", "host", "--temps", "0", "0.8", "--tokens", "16", "--repeats", "1"
-    )
+        "plain_steps", "--pair", "host", "--temps", "0", "0.8", "--tokens", "16", "--repeats", "1",
+        "--ablate",
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     rows = markdown_table(proc.stdout, "pair")
     assert [(row["pair"], row["temp"]) for row in rows] == [("host", "0.0"), ("host", "0.8")]
     for row in rows:
         plain = float(row["plain"])
-        for method in ("stretch", "lookup"):
+        for method in ("stretch", "lookup", "lookup, one policy", "loop", "+draw", "+cache"):
             # Milliseconds printed to 3 decimals, the ratio to 2.
             ms = float(row[method])
             slack = 0.005 + (plain / ms) * (0.0005 / plain + 0.0005 / ms)
@@ -333,3 +336,18 @@ def test_server_benchmark_drives_real_servers(tmp_path, capsys) -> None:
     assert sorted(r["server"] for r in rows) == ["mlx-lm", "mlx-spec, draft"]
     assert all(0 < r["tokens"] <= 2 * 4 and len(r["latencies"]) == 2 for r in rows)
     assert "| open | 2 | mlx-spec, draft |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("temp", [0.0, 0.8])
+def test_the_ablations_loops_decode_as_mlx_lm(temp):
+    # Each loop of plain_steps --ablate must make mlx-lm's own tokens (seed 0, key 0), or what it
+    # times is not the same decoding.
+    target, prompt = tiny_llama(3), mx.array([1, 2, 3, 4, 5, 6], mx.uint32)
+    mx.random.seed(0)
+    sampler = lm_make_sampler(temp=temp)
+    want = [t for t, _ in generate_step(prompt, target, max_tokens=24, sampler=sampler)]
+    assert len(set(want)) > 3  # varied tokens, not one repeated
+    loops = benchmark("plain_steps")._ablation(target, prompt, 24, temp)
+    assert list(loops) == ["loop", "+draw", "+cache"]
+    for name, run in loops.items():
+        assert run() == want, name
