@@ -24,7 +24,7 @@ parts. Three are loops of pipelined plain steps written as mlx-lm's ``generate_s
 - ``loop``: mlx-lm's operations (its cache, ``logits - logsumexp``, its sampler): it should cost
   what ``plain`` costs;
 - ``+draw``: the token drawn as a stretch draws it (:meth:`mlx_spec.rules.Rule.step`, with the
-  position's state from :class:`mlx_spec.keys.KeyChain`);
+  position's key from :class:`mlx_spec.keys.KeyChain`);
 - ``+cache``: ``+draw`` with the model fed as a stretch feeds it (:meth:`mlx_spec.loop.Target.step`:
   the checkpoints and bookkeeping of :class:`mlx_spec.caches.ModelCache`).
 
@@ -175,7 +175,7 @@ def _ablation(
         chain = KeyChain(mx.random.key(0), rule.steps) if rule.random else None
 
         def draw(logits: mx.array, position: int) -> tuple[mx.array, mx.array]:
-            key = chain.states(position, 1) if chain is not None else None
+            key = rule.keys(chain, position, 0, draft=False) if chain is not None else None
             token, fed, _ = rule.step(logits, key, on_cpu=on_cpu)
             return token, fed
 

@@ -7,7 +7,9 @@ that draws several keys a call advances the state as many times). :class:`KeyCha
 chain from the generation's starting state (the caller's key, or ``mx.random``'s state), so that
 every sampled decision at position ``t`` takes its randomness from ``S_t`` alone: how the rounds
 fall (the drafter, ``N``, timing, ``max_tokens``) cannot change the text, and a seed reproduces
-the text of mlx-lm's own plain sampling.
+the text of mlx-lm's own plain sampling. It also keeps each position's draw key
+``K_t = split(S_t)[1]``, which the split that advances the chain computes anyway, as mlx-lm's
+sequence computes the key and the next state with one split.
 """
 
 from __future__ import annotations
@@ -27,22 +29,26 @@ CHUNK = 16
 
 @cache
 def _advance(steps: int):
-    """``state -> (states, following)``: the ``CHUNK`` states from ``state`` on, each reached from
-    the one before by ``steps`` splits, and the state after them (compiled once)."""
+    """``state -> (states, keys, following)``: the ``CHUNK`` states from ``state`` on, each
+    reached from the one before by ``steps`` splits, the draw key of each (the second half of its
+    first split), and the state after them (compiled once)."""
 
-    def chain(state: mx.array) -> tuple[mx.array, mx.array]:
-        states = []
+    def chain(state: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        states, keys = [], []
         for _ in range(CHUNK):
             states.append(state)
-            for _ in range(steps):
+            state, key = mx.random.split(state)
+            keys.append(key)
+            for _ in range(steps - 1):
                 state = mx.random.split(state)[0]
-        return mx.stack(states), state
+        return mx.stack(states), mx.stack(keys), state
 
     return mx.compile(chain)
 
 
 class KeyChain:
-    """The chain of random states ``S_0, S_1, ...`` of one generation's text positions.
+    """The chain of random states ``S_0, S_1, ...`` of one generation's text positions, and the
+    key ``K_t = split(S_t)[1]`` that a draw at each position takes.
 
     Args:
         state (array): ``[2]`` uint32 ``S_0``, the state before the first generated token.
@@ -56,16 +62,28 @@ class KeyChain:
         self.steps = steps
         self.global_state = global_state
         self._states = mx.zeros((0, 2), dtype=mx.uint32)
+        self._keys = mx.zeros((0, 2), dtype=mx.uint32)
         self._next = state
+
+    def _reach(self, end: int) -> None:
+        """Computes the chain up to position ``end`` (excluded), a chunk at a time."""
+        while self._states.shape[0] < end:
+            states, keys, self._next = _advance(self.steps)(self._next)
+            self._states = mx.concatenate([self._states, states])
+            self._keys = mx.concatenate([self._keys, keys])
+            # Computed meanwhile, not waited for: a chunk is small, and the rounds read it.
+            mx.async_eval(self._states, self._keys, self._next)
 
     def states(self, start: int, count: int) -> mx.array:
         """``[count, 2]`` uint32: ``S_start, ..., S_{start + count - 1}``."""
-        while self._states.shape[0] < start + count:
-            more, self._next = _advance(self.steps)(self._next)
-            self._states = mx.concatenate([self._states, more])
-            # Computed meanwhile, not waited for: a chunk is small, and the rounds read it.
-            mx.async_eval(self._states, self._next)
+        self._reach(start + count)
         return self._states[start : start + count]
+
+    def keys(self, start: int, count: int) -> mx.array:
+        """``[count, 2]`` uint32: ``K_start, ..., K_{start + count - 1}``, the keys that
+        ``mx.random.categorical`` takes at those positions in mlx-lm's sequence."""
+        self._reach(start + count)
+        return self._keys[start : start + count]
 
     def state(self, position: int) -> mx.array:
         """``[2]`` uint32: ``S_position``."""

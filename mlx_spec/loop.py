@@ -617,7 +617,7 @@ class Generation:
         """One plain step at text ``position``, started: the lazy ``[1]`` token, the ``[1]`` id
         to feed next, the ``[1, V]`` log-probabilities (see :meth:`Rule.step`) and, where a
         drafter reads them, the ``[1, H]`` hidden state of the position fed last."""
-        key = self.keys.states(position, 1) if self.keys is not None else None
+        key = self.rule.keys(self.keys, position, 0, draft=False) if self.keys else None
         logits = self.target.step(inputs, context)
         hidden = self.target.hidden[-1:] if self.target.split is not None else None
         token, fed, logprobs = self.rule.step(logits, key, on_cpu=self.on_cpu)

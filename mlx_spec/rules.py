@@ -79,11 +79,6 @@ def _undecided(scores: mx.array) -> mx.array:
     return mx.logical_or(~mx.isfinite(top), mx.isnan(mx.sum(scores, axis=-1)))
 
 
-def _draw_key(state: mx.array) -> mx.array:
-    """The key a draw at ``state`` takes, as ``mx.random``'s key sequence hands it out."""
-    return mx.random.split(state)[1]
-
-
 @dataclass(frozen=True)
 class Rule:
     """How draft tokens are drawn and verified under one sampler.
@@ -126,17 +121,20 @@ class Rule:
             position (int): the text position of the round's first new token.
             n (int): its draft tokens.
             draft (bool): the drafter's keys (``[n, 2]``, one per drafted token) rather than the
-                verification's (``[N + 1, 2]`` states for ``"coupled"``, a ``[2]`` key for
+                verification's (``[N + 1, 2]`` for ``"coupled"``, a ``[2]`` key for
                 ``"residual"``).
 
         Returns:
-            array: uint32 keys, or ``None`` for greedy.
+            array: uint32 keys, or ``None`` for greedy. A coupled draw takes its position's key
+            (:meth:`mlx_spec.keys.KeyChain.keys`), or its state where the sampler is called with
+            ``mx.random``'s state set (:attr:`seeds`).
         """
         if self.kind == "greedy":
             return None
         if self.kind == "coupled" or n == 0:
-            return chain.states(position, n if draft else n + 1)
-        drafting, verifying = mx.random.split(_draw_key(chain.state(position)))
+            per_position = chain.states if self.seeds else chain.keys
+            return per_position(position, n if draft else n + 1)
+        drafting, verifying = mx.random.split(chain.keys(position, 1)[0])
         return mx.random.split(drafting, n) if draft else verifying
 
     def draw(self, logits: mx.array, key: mx.array | None) -> tuple[mx.array, mx.array | None]:
@@ -160,13 +158,14 @@ class Rule:
             logits = _fit_vocab(logits, self.vocab, -mx.inf)
         return self._coupled(_logprobs(logits), key[None]), None
 
-    def _coupled(self, logprobs: mx.array, states: mx.array) -> mx.array:
-        """``[n]`` uint32: row ``i`` of ``logprobs`` (``[n, V]``) drawn with state ``states[i]``."""
+    def _coupled(self, logprobs: mx.array, keys: mx.array) -> mx.array:
+        """``[n]`` uint32: row ``i`` of ``logprobs`` (``[n, V]``) drawn with ``keys[i]`` (see
+        :meth:`keys`)."""
         if _draws_categorical(self.sampler):
             form, inputs = _graph_of(self.sampler, logprobs)
-            return _coupled_graph(form)(logprobs, states, *inputs)
+            return _coupled_graph(form)(logprobs, keys, *inputs)
         tokens = []
-        for row, state in zip(logprobs, states.tolist(), strict=True):
+        for row, state in zip(logprobs, keys.tolist(), strict=True):
             set_global_state(mx.array(state, dtype=mx.uint32))
             tokens.append(self.sampler(row[None]).reshape(1).astype(mx.uint32))
         return mx.concatenate(tokens)
@@ -217,12 +216,12 @@ class Rule:
         """The token this rule takes at each row on its own, before any draft is compared with
         it: what :meth:`decide` keeps draft tokens against (the target's rows), or what
         :meth:`draw` drafts (``draft=True``). A batch draws so for all its sequences that share
-        a rule at once, each row with its own position's state.
+        a rule at once, each row with its own position's key.
 
         Args:
             logits (array): ``[k, V]`` float logits, the target's, or a drafter's with
                 ``draft`` (drawn over the target's ids, as :meth:`draw` draws them).
-            keys (array, optional): ``[k, 2]`` uint32, each row's state from :meth:`keys`;
+            keys (array, optional): ``[k, 2]`` uint32, each row's key from :meth:`keys`;
                 unused by greedy.
             on_cpu (bool): whether the default stream is on a CPU.
             draft (bool): the rows are a drafter's. Default: ``False``.
@@ -253,7 +252,7 @@ class Rule:
 
         Args:
             logits (array): ``[k, V]`` float target logits (after logits processors).
-            key (array, optional): ``[k, 2]`` uint32, each row's position's state (unused by
+            key (array, optional): ``[k, 2]`` uint32, each row's key from :meth:`keys` (unused by
                 greedy).
             on_cpu (bool): whether the default stream is on a CPU.
 
@@ -301,35 +300,31 @@ def _scores(sampler: Any, logprobs: mx.array, *inputs: mx.array) -> mx.array:
 
 @lru_cache(maxsize=32)
 def _coupled_graph(sampler: Any) -> Callable[..., mx.array]:
-    """``(logprobs [n, V], states [n, 2], *inputs) -> [n]`` uint32: each row drawn as mlx-lm's
-    sampler draws a ``[1, V]`` row with the key its state hands out (compiled per thread);
-    ``sampler`` and ``inputs`` as :func:`_graph_of` gives them."""
+    """``(logprobs [n, V], keys [n, 2], *inputs) -> [n]`` uint32: each row drawn as mlx-lm's
+    sampler draws a ``[1, V]`` row with that key (compiled per thread); ``sampler`` and
+    ``inputs`` as :func:`_graph_of` gives them."""
 
     together = _mlx_lm.rows_by_inverse_cdf()  # probed here, outside the traced function
 
-    def coupled(logprobs: mx.array, states: mx.array, *inputs: mx.array) -> mx.array:
-        return _draw_rows(_scores(sampler, logprobs, *inputs), states, together)
+    def coupled(logprobs: mx.array, keys: mx.array, *inputs: mx.array) -> mx.array:
+        return _draw_rows(_scores(sampler, logprobs, *inputs), keys, together)
 
     return _compile_per_thread(coupled)
 
 
-def _draw_rows(scores: mx.array, states: mx.array, together: bool) -> mx.array:
+def _draw_rows(scores: mx.array, keys: mx.array, together: bool) -> mx.array:
     """``[n]`` uint32: each row of ``scores`` (``[n, V]``) drawn as ``mx.random.categorical``
-    draws a ``[1, V]`` row with the key that row's state (``states``: ``[n, 2]``) hands out:
-    all rows in one graph where ``together`` (:func:`mlx_spec._mlx_lm.rows_by_inverse_cdf`),
-    else one draw a row."""
+    draws a ``[1, V]`` row with that row's key (``keys``: ``[n, 2]``): all rows in one graph
+    where ``together`` (:func:`mlx_spec._mlx_lm.rows_by_inverse_cdf`), else one draw a row."""
     if together and scores.shape[0] > 1:
-        return _mlx_lm.categorical_rows(scores, mx.vmap(_draw_key)(states))
-    tokens = [
-        mx.random.categorical(scores[i : i + 1], key=_draw_key(states[i]))
-        for i in range(scores.shape[0])
-    ]
+        return _mlx_lm.categorical_rows(scores, keys)
+    tokens = [mx.random.categorical(scores[i : i + 1], key=keys[i]) for i in range(scores.shape[0])]
     return mx.concatenate(tokens).astype(mx.uint32)
 
 
 @lru_cache(maxsize=32)
 def _coupled_step_graph(sampler: Any) -> Callable[..., tuple[mx.array, mx.array, mx.array]]:
-    """``(logits [k, V], states [k, 2], last_id [], *inputs) -> (tokens, fed, logprobs)``: a
+    """``(logits [k, V], keys [k, 2], last_id [], *inputs) -> (tokens, fed, logprobs)``: a
     plain step's draws (see :meth:`Rule.step`), compiled per thread; ``last_id`` is ``V - 1`` as
     an input (see :class:`mlx_spec.acceptance._Sizes`), ``sampler`` and ``inputs`` as
     :func:`_graph_of` gives them."""
@@ -337,10 +332,10 @@ def _coupled_step_graph(sampler: Any) -> Callable[..., tuple[mx.array, mx.array,
     together = _mlx_lm.rows_by_inverse_cdf()  # probed here, outside the traced function
 
     def step(
-        logits: mx.array, states: mx.array, last_id: mx.array, *inputs: mx.array
+        logits: mx.array, keys: mx.array, last_id: mx.array, *inputs: mx.array
     ) -> tuple[mx.array, mx.array, mx.array]:
         logprobs = _logprobs(logits)
-        drawn = _draw_rows(_scores(sampler, logprobs, *inputs), states, together)
+        drawn = _draw_rows(_scores(sampler, logprobs, *inputs), keys, together)
         token = mx.where(_undecided(logprobs), INVALID_ROW, drawn)
         return token, mx.minimum(token, last_id), logprobs
 

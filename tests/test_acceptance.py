@@ -121,6 +121,7 @@ def test_a_plain_sampled_step_draws_as_mlx_lms_sampler_at_the_positions_state(op
     # the fourth (the same filters), their values those graphs' inputs.
     from mlx_lm.sample_utils import make_sampler as lm_make_sampler
 
+    from mlx_spec.keys import KeyChain
     from mlx_spec.rules import make_rule
     from mlx_spec.sampling import make_sampler
 
@@ -129,9 +130,9 @@ def test_a_plain_sampled_step_draws_as_mlx_lms_sampler_at_the_positions_state(op
     logits = mx.random.normal((1, 50), key=mx.random.key(4)) * 3
     drawn = []
     for seed in range(40):
-        state = mx.random.key(seed)[None]
-        token, fed, logprobs = rule.step(logits, state, on_cpu=True)
-        result, reference = rule.decide(logits, ids(), None, None, state, fused=False, on_cpu=True)
+        key = rule.keys(KeyChain(mx.random.key(seed)), 0, 0, draft=False)
+        token, fed, logprobs = rule.step(logits, key, on_cpu=True)
+        result, reference = rule.decide(logits, ids(), None, None, key, fused=False, on_cpu=True)
         mx.random.seed(seed)
         assert token.tolist() == [result.tolist()[1]] == fed.tolist() == theirs(logprobs).tolist()
         assert mx.array_equal(logprobs, reference).item()

@@ -161,11 +161,11 @@ def test_distribution_mode_draws_with_the_positions_keys_when_coupled() -> None:
     scores[0, [3, 5]] = np.log([2 / 3, 1 / 3])
     drawn, expected = [], []
     for position in range(200):
-        state = chain.states(position, 1)
-        draft = drafter.propose(text, 1, state)
+        draft = drafter.propose(text, 1, chain.keys(position, 1))
         assert draft.probs is None
         drawn.append(draft.tokens.item())
-        key = mx.random.split(state[0])[1]
+        # The key mx.random's sequence hands out at the position's state.
+        key = mx.random.split(chain.state(position))[1]
         expected.append(mx.random.categorical(mx.array(scores), key=key).item())
     assert drawn == expected and set(drawn) == {3, 5}
 
@@ -393,12 +393,13 @@ def test_negative_control_single_guess_without_residual_fails(small, copied, mon
 
 def test_negative_control_single_guess_kept_by_its_own_draw_fails(small, copied, monkeypatch):
     # Coupled, a guess must be compared with the target's own token at its position; a bug that
-    # keeps it when a draw of the guess's row with the next position's state agrees instead
-    # keeps guesses the target would not have drawn.
+    # keeps it when a draw of the guess's row with the next position's key agrees instead keeps
+    # guesses the target would not have drawn. (Shifted where a round verifies a guess only: a
+    # shift of every draw, plain steps' too, would be a generation from another key.)
     original = rules.Rule.keys
 
     def shifted(self, chain, position, n, *, draft):
-        return original(self, chain, position + (0 if draft else 1), n, draft=draft)
+        return original(self, chain, position + (1 if n and not draft else 0), n, draft=draft)
 
     monkeypatch.setattr(rules.Rule, "keys", shifted)
     expected = exact_joint(small, copied, SMALL_VOCAB)

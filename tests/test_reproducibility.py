@@ -69,7 +69,8 @@ def busy_cpu():
 @pytest.mark.parametrize("steps", [1, 2])
 def test_the_key_chain_is_mx_randoms_sequence_across_its_chunks(steps) -> None:
     # Position t's state is the state mx.random's sequence reaches after t draws of `steps` keys
-    # each, read in pieces that start and end inside chunks and cross their boundaries.
+    # each, and its key the one it hands out there, read in pieces that start and end inside
+    # chunks and cross their boundaries.
     start = mx.random.key(7)
     expected, state = [], start
     for _ in range(3 * keys.CHUNK + 5):
@@ -81,6 +82,10 @@ def test_the_key_chain_is_mx_randoms_sequence_across_its_chunks(steps) -> None:
     got = [row for first, count in pieces for row in chain.states(first, count).tolist()]
     assert got == expected[: 2 * keys.CHUNK + 4] + expected[3 * keys.CHUNK :]
     assert chain.state(keys.CHUNK - 1).tolist() == expected[keys.CHUNK - 1]
+    # Each position's key: the one mx.random.categorical takes from the sequence at its state.
+    drawn = [mx.random.split(mx.array(s, dtype=mx.uint32))[1].tolist() for s in expected]
+    got = [row for first, count in pieces for row in chain.keys(first, count).tolist()]
+    assert got == drawn[: 2 * keys.CHUNK + 4] + drawn[3 * keys.CHUNK :]
 
 
 @pytest.mark.parametrize("name", list(SAMPLERS))
