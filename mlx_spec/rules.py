@@ -69,14 +69,12 @@ def _fit_vocab(rows: mx.array, vocab: int, fill: float = 0.0) -> mx.array:
     return mx.pad(rows, [(0, 0), (0, vocab - have)], constant_values=fill)
 
 
-def _logprobs(logits: mx.array) -> mx.array:
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
-def _undecided(scores: mx.array) -> mx.array:
-    """``[n]`` bool: rows without a finite maximum or with a NaN (no distribution to draw from)."""
-    top = mx.max(scores, axis=-1)
-    return mx.logical_or(~mx.isfinite(top), mx.isnan(mx.sum(scores, axis=-1)))
+def _normalised(logits: mx.array) -> tuple[mx.array, mx.array]:
+    """The ``[n, V]`` log-probabilities of ``[n, V]`` float ``logits``, and ``[n]`` bool: the
+    rows that are no distribution to draw from (a NaN, a +inf, or no finite logit), the rows
+    whose log-sum-exp is not finite (where it is, every log-probability is finite or -inf)."""
+    total = mx.logsumexp(logits, axis=-1, keepdims=True)
+    return logits - total, ~mx.isfinite(total[..., 0])
 
 
 @dataclass(frozen=True)
@@ -152,11 +150,11 @@ class Rule:
         if self.kind == "greedy":
             return mx.argmax(logits, axis=-1).astype(mx.uint32), None
         if self.kind == "residual":
-            q = self.sampler.probs(_logprobs(logits))
+            q = self.sampler.probs(_normalised(logits)[0])
             return mx.random.categorical(mx.log(q), key=key).astype(mx.uint32), q
         if self.vocab is not None:
             logits = _fit_vocab(logits, self.vocab, -mx.inf)
-        return self._coupled(_logprobs(logits), key[None]), None
+        return self._coupled(_normalised(logits)[0], key[None]), None
 
     def _coupled(self, logprobs: mx.array, keys: mx.array) -> mx.array:
         """``[n]`` uint32: row ``i`` of ``logprobs`` (``[n, V]``) drawn with ``keys[i]`` (see
@@ -198,7 +196,7 @@ class Rule:
             tuple: the lazy ``[3]`` uint32 ``[accepted, next, eos_hit]`` and the ``[N + 1, V]``
             log-probabilities of each position.
         """
-        logprobs = _logprobs(logits)
+        logprobs, undecided = _normalised(logits)
         if self.kind == "greedy":
             return greedy_decision(logits, draft, eos, fused=fused, on_cpu=on_cpu), logprobs
         if self.kind == "residual" and draft.size:
@@ -208,7 +206,7 @@ class Rule:
             fused = fused and v <= kernels.MAX_VOCAB
             return sampled_decision(probs, draft, q, eos, keys, fused=fused), logprobs
         tokens = self._coupled(logprobs, keys)
-        return matching_decision(tokens, _undecided(logprobs), draft, eos), logprobs
+        return matching_decision(tokens, undecided, draft, eos), logprobs
 
     def choices(
         self, logits: mx.array, keys: mx.array | None, *, on_cpu: bool, draft: bool = False
@@ -241,8 +239,8 @@ class Rule:
             return _argmax_rows(logits, on_cpu)
         if draft and self.vocab is not None:
             logits = _fit_vocab(logits, self.vocab, -mx.inf)
-        logprobs = _logprobs(logits)
-        return self._coupled(logprobs, keys), _undecided(logprobs)
+        logprobs, undecided = _normalised(logits)
+        return self._coupled(logprobs, keys), undecided
 
     def step(
         self, logits: mx.array, key: mx.array | None, *, on_cpu: bool
@@ -263,14 +261,14 @@ class Rule:
         """
         if self.kind == "greedy":
             token, fed = greedy_token(logits, on_cpu=on_cpu)
-            return token, fed, _logprobs(logits)
+            return token, fed, _normalised(logits)[0]
         if _draws_categorical(self.sampler):
             # One compiled graph a step: plain steps run where host work is most of a token.
             last_id = _sizes(logits.shape[-1], 0).last_id
             form, inputs = _graph_of(self.sampler, logits)
             return _coupled_step_graph(form)(logits, key, last_id, *inputs)
-        logprobs = _logprobs(logits)
-        token = mx.where(_undecided(logprobs), INVALID_ROW, self._coupled(logprobs, key))
+        logprobs, undecided = _normalised(logits)
+        token = mx.where(undecided, INVALID_ROW, self._coupled(logprobs, key))
         return token, mx.minimum(token, logits.shape[-1] - 1), logprobs
 
 
@@ -334,9 +332,9 @@ def _coupled_step_graph(sampler: Any) -> Callable[..., tuple[mx.array, mx.array,
     def step(
         logits: mx.array, keys: mx.array, last_id: mx.array, *inputs: mx.array
     ) -> tuple[mx.array, mx.array, mx.array]:
-        logprobs = _logprobs(logits)
+        logprobs, undecided = _normalised(logits)
         drawn = _draw_rows(_scores(sampler, logprobs, *inputs), keys, together)
-        token = mx.where(_undecided(logprobs), INVALID_ROW, drawn)
+        token = mx.where(undecided, INVALID_ROW, drawn)
         return token, mx.minimum(token, last_id), logprobs
 
     return _compile_per_thread(step)
