@@ -70,11 +70,17 @@ def _fit_vocab(rows: mx.array, vocab: int, fill: float = 0.0) -> mx.array:
 
 
 def _normalised(logits: mx.array) -> tuple[mx.array, mx.array]:
-    """The ``[n, V]`` log-probabilities of ``[n, V]`` float ``logits``, and ``[n]`` bool: the
-    rows that are no distribution to draw from (a NaN, a +inf, or no finite logit), the rows
-    whose log-sum-exp is not finite (where it is, every log-probability is finite or -inf)."""
+    """The ``[n, V]`` log-probabilities of ``[n, V]`` float ``logits``, and their ``[n, 1]``
+    log-sum-exp (for :func:`_undecided`)."""
     total = mx.logsumexp(logits, axis=-1, keepdims=True)
-    return logits - total, ~mx.isfinite(total[..., 0])
+    return logits - total, total
+
+
+def _undecided(total: mx.array) -> mx.array:
+    """``[n]`` bool: the rows that are no distribution to draw from (a NaN, a +inf, or no finite
+    logit), those whose log-sum-exp ``total`` (``[n, 1]``, from :func:`_normalised`) is not
+    finite; where it is, every log-probability is finite or -inf."""
+    return ~mx.isfinite(total[..., 0])
 
 
 @dataclass(frozen=True)
@@ -196,7 +202,7 @@ class Rule:
             tuple: the lazy ``[3]`` uint32 ``[accepted, next, eos_hit]`` and the ``[N + 1, V]``
             log-probabilities of each position.
         """
-        logprobs, undecided = _normalised(logits)
+        logprobs, total = _normalised(logits)
         if self.kind == "greedy":
             return greedy_decision(logits, draft, eos, fused=fused, on_cpu=on_cpu), logprobs
         if self.kind == "residual" and draft.size:
@@ -206,7 +212,7 @@ class Rule:
             fused = fused and v <= kernels.MAX_VOCAB
             return sampled_decision(probs, draft, q, eos, keys, fused=fused), logprobs
         tokens = self._coupled(logprobs, keys)
-        return matching_decision(tokens, undecided, draft, eos), logprobs
+        return matching_decision(tokens, _undecided(total), draft, eos), logprobs
 
     def choices(
         self, logits: mx.array, keys: mx.array | None, *, on_cpu: bool, draft: bool = False
@@ -239,8 +245,8 @@ class Rule:
             return _argmax_rows(logits, on_cpu)
         if draft and self.vocab is not None:
             logits = _fit_vocab(logits, self.vocab, -mx.inf)
-        logprobs, undecided = _normalised(logits)
-        return self._coupled(logprobs, keys), undecided
+        logprobs, total = _normalised(logits)
+        return self._coupled(logprobs, keys), _undecided(total)
 
     def step(
         self, logits: mx.array, key: mx.array | None, *, on_cpu: bool
@@ -267,8 +273,8 @@ class Rule:
             last_id = _sizes(logits.shape[-1], 0).last_id
             form, inputs = _graph_of(self.sampler, logits)
             return _coupled_step_graph(form)(logits, key, last_id, *inputs)
-        logprobs, undecided = _normalised(logits)
-        token = mx.where(undecided, INVALID_ROW, self._coupled(logprobs, key))
+        logprobs, total = _normalised(logits)
+        token = mx.where(_undecided(total), INVALID_ROW, self._coupled(logprobs, key))
         return token, mx.minimum(token, logits.shape[-1] - 1), logprobs
 
 
@@ -332,9 +338,9 @@ def _coupled_step_graph(sampler: Any) -> Callable[..., tuple[mx.array, mx.array,
     def step(
         logits: mx.array, keys: mx.array, last_id: mx.array, *inputs: mx.array
     ) -> tuple[mx.array, mx.array, mx.array]:
-        logprobs, undecided = _normalised(logits)
+        logprobs, total = _normalised(logits)
         drawn = _draw_rows(_scores(sampler, logprobs, *inputs), keys, together)
-        token = mx.where(undecided, INVALID_ROW, drawn)
+        token = mx.where(_undecided(total), INVALID_ROW, drawn)
         return token, mx.minimum(token, last_id), logprobs
 
     return _compile_per_thread(step)
