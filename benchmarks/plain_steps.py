@@ -29,9 +29,12 @@ parts. Three are loops of pipelined plain steps written as mlx-lm's ``generate_s
   the checkpoints and bookkeeping of :class:`mlx_spec.caches.ModelCache`).
 
 ``+draw`` over ``loop`` and ``+cache`` over ``+draw`` are those parts' costs, and ``stretch`` over
-``+cache`` the loop's own host work each step (the policy, the text, the counts). The fourth,
-``lookup, one policy``, is ``lookup`` with one :class:`mlx_spec.draft_length.Adaptive` kept over
-its runs, as a caller that keeps it: it measures what rounds cost in its first run only.
+``+cache`` the loop's own host work each step (the text, the counts, asking the drafter). Two more
+methods keep one :class:`mlx_spec.draft_length.Adaptive` over their runs, as a caller that keeps
+it: ``lookup, one policy`` is ``lookup`` whose policy measures what rounds cost in its first run
+only; ``stretch, policy asked`` is ``stretch`` with a drafter that is not free, so that the loop
+asks the policy before every step (as with a draft model), given costs under which it always
+answers a plain step: over ``stretch``, what asking costs.
 
 Pairs: those of ``benchmarks/generation.py`` (their first open prompt), and ``host``: a model with
 next to no device work (an embedding and its transpose), whose time per token is the loops' own
@@ -72,7 +75,7 @@ from mlx_spec import _mlx_lm
 from mlx_spec.batch import SpeculativeBatch
 from mlx_spec.batch_length import BatchAdaptive
 from mlx_spec.caches import ModelCache
-from mlx_spec.draft_length import Adaptive
+from mlx_spec.draft_length import Adaptive, Calibration
 from mlx_spec.drafters import Draft, Drafter, PromptLookupDrafter
 from mlx_spec.generation import generation_stream, speculative_generate_step
 from mlx_spec.keys import KeyChain
@@ -88,6 +91,18 @@ class Silent(Drafter):
 
     def propose(self, text: Text, n: int, keys: mx.array | None) -> Draft:
         return Draft(mx.array([], dtype=mx.uint32))
+
+
+class Unasked(Silent):
+    """A drafter that is not free and proposes nothing: the loop asks the policy before every
+    plain step (as with a draft model), and never for a proposal."""
+
+    free = False
+
+
+# Costs under which drafting never pays and no test round falls due within a benchmark's runs
+# (a round 100 plain steps): the policy it is given answers "a plain step" every time.
+NEVER = Calibration(plain=1.0, round=100.0, token=1.0)
 
 
 class HostOnly(nn.Module):
@@ -149,6 +164,7 @@ def _methods(
     if ablate:
         # Kept over the runs: it measures what rounds cost in its first run only.
         methods["lookup, one policy"] = adaptive("prompt-lookup", Adaptive())
+        methods["stretch, policy asked"] = adaptive(Unasked(), Adaptive(calibration=NEVER))
     return {"plain": plain, **methods}
 
 
@@ -271,7 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.ablate and args.batch != 1:
         parser.error("--ablate times single sequences: leave --batch at 1")
     names = ["plain", "stretch", "lookup"]
-    names += ["lookup, one policy", "loop", "+draw", "+cache"] if args.ablate else []
+    ablation = ["lookup, one policy", "stretch, policy asked", "loop", "+draw", "+cache"]
+    names += ablation if args.ablate else []
     print(
         f"# plain steps: {mx.default_device()}, MLX {mx.__version__}, batch {args.batch}, "
         f"{args.tokens} tokens a sequence, "

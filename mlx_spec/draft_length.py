@@ -173,13 +173,37 @@ def _fastest(tokens: np.ndarray, calibration: Calibration, pending: int = 1) -> 
     return int(np.argmax(tokens / _costs(calibration, len(tokens), pending)))
 
 
+@lru_cache(maxsize=256)
+def _plain_below(calibration: Calibration, top: int, pending: int) -> float:
+    """An acceptance at or below which :func:`_fastest` takes a plain step over rounds of up to
+    ``top`` tokens (``-1`` where it never does), found once by bisection: a round's tokens grow
+    with the acceptance. Between rounds the loop asks before every plain step; this answers
+    without the sums (``benchmarks/plain_steps.py --ablate``, ``stretch, policy asked``)."""
+    if _fastest(_expected(0.0, top), calibration, pending):
+        return -1.0
+    low, high = 0.0, 1.0
+    for _ in range(40):
+        middle = (low + high) / 2
+        if _fastest(_expected(middle, top), calibration, pending):
+            high = middle
+        else:
+            low = middle
+    return low
+
+
+@lru_cache(maxsize=256)
+def _patience(calibration: Calibration, top: int, pending: int) -> int:
+    """The plain steps whose cost is :data:`EXPLORE` times what a round of ``top`` tokens
+    costs over a plain step (at least one)."""
+    extra = float(calibration.cost(top, pending)) - calibration.plain
+    return max(1, math.ceil(EXPLORE * extra / max(calibration.plain, 1e-12)))
+
+
 def _or_test(n: int, untested: int, calibration: Calibration, top: int, pending: int = 1) -> int:
     """``n``, or ``top`` where ``n`` is a plain step and a test round is due: the ``untested``
     plain steps since a draft token was last tested have cost :data:`EXPLORE` times what a
     round of ``top`` tokens costs over a plain step."""
-    extra = float(calibration.cost(top, pending)) - calibration.plain
-    patience = max(1, math.ceil(EXPLORE * extra / max(calibration.plain, 1e-12)))
-    return top if n == 0 and untested >= patience else n
+    return top if n == 0 and untested >= _patience(calibration, top, pending) else n
 
 
 class _Meter:
@@ -264,8 +288,11 @@ class Adaptive:
             return 0
         if self.calibration is None:
             return self._meter.length(top)
-        n = _fastest(_expected(self.acceptance(round.label), top), self.calibration, round.pending)
-        return _or_test(n, self._untested, self.calibration, top, round.pending)
+        a, pending = self.acceptance(round.label), round.pending
+        n = 0
+        if a > _plain_below(self.calibration, top, pending):
+            n = _fastest(_expected(a, top), self.calibration, pending)
+        return _or_test(n, self._untested, self.calibration, top, pending)
 
     def observe(self, outcome: Outcome) -> None:
         self._untested = 0 if outcome.drafted else self._untested + outcome.plain

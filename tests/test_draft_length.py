@@ -9,6 +9,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import PROMPT, run
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mlx_spec.batch_length import BatchAdaptive
 from mlx_spec.draft_length import (
@@ -125,6 +127,36 @@ def test_guesses_tested_during_plain_steps_leave_no_test_round_due() -> None:
     # A step without a guess starts the count.
     policy.observe(Outcome(0, 0, plain=True))
     assert policy.choose(Round(8)) == 0
+
+
+@settings(max_examples=300)
+@given(
+    plain=st.floats(0.1, 10.0),
+    round_=st.floats(0.0, 20.0),
+    token=st.floats(0.0, 5.0),
+    top=st.integers(1, MAX_DRAFT_TOKENS),
+    pending=st.integers(1, 9),
+    tested=st.integers(0, 400),
+    kept=st.floats(0.0, 1.0),
+)
+def test_the_kept_plain_step_threshold_chooses_as_the_rule_does(
+    plain, round_, token, top, pending, tested, kept
+) -> None:
+    # Adaptive answers "a plain step" from an acceptance it keeps for each calibration, top and
+    # waiting tokens, without the sums: it must choose as E(N) / cost(N) does at every estimate.
+    costs = Calibration(plain=plain, round=round_, token=token)
+    policy = Adaptive(MAX_DRAFT_TOKENS, costs, decay=1.0)
+    if tested:
+        policy.observe(Outcome(tested, round(kept * tested)))
+    rate = policy.acceptance()
+    rates = [1 / plain]
+    for n in range(1, top + 1):
+        cost = max(round_ + token * (n + pending - 1), 1e-12)
+        rates.append(sum(rate**i for i in range(n + 1)) / cost)
+    best = int(np.argmax(rates))
+    if best != int(np.argmax(np.round(rates, 9))):
+        return  # a tie within rounding: either is the rule's
+    assert policy.choose(Round(cap=top, pending=pending)) == best
 
 
 def test_adaptive_never_drafts_more_than_the_round_may() -> None:
