@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -352,3 +353,50 @@ def test_the_ablations_loops_decode_as_mlx_lm(temp):
     assert list(loops) == ["loop", "+draw", "+cache"]
     for name, run in loops.items():
         assert run() == want, name
+
+
+def _in_git_checkout() -> bool:
+    probe = ["git", "-C", str(BENCHMARKS), "rev-parse", "HEAD"]
+    return subprocess.run(probe, capture_output=True, check=False).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _in_git_checkout(), reason="before.py exports a commit with git")
+def test_before_runs_a_commits_benchmark_and_this_ones_and_sets_them_side_by_side():
+    proc = script(
+        "before", "--commit", "HEAD", "--rounds", "1", "--",
+        "--pair", "demo", "--quick", "--tokens", "6", "--workload", "open", "--temps", "0",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == ["# before, run 1 of 1", "# now, run 1 of 1"]
+    rows = markdown_table(proc.stdout, "workload")
+    assert list(rows[0]) == ["workload", "temp", "method", "before, run 1", "now, run 1"]
+    assert [row["method"] for row in rows] == ["draft adaptive", "lookup adaptive", "mtp adaptive"]
+    for row in rows:
+        assert (row["workload"], row["temp"]) == ("open", "0.0")
+        for cell in (row["before, run 1"], row["now, run 1"]):
+            assert re.fullmatch(r"\d+\.\d\dx \(\d+\.\d\dx\), \d+\.\d\d", cell), cell
+
+
+@pytest.mark.skipif(not _in_git_checkout(), reason="before.py exports a commit with git")
+def test_before_names_a_commit_git_cannot_export():
+    proc = script("before", "--commit", "no-such-commit", "--", "--quick")
+    assert proc.returncode == 1
+    assert "before.py: git archive no-such-commit failed" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_before_copies_a_commits_tree_from_a_directory_with_this_checkouts_demo(tmp_path):
+    tree = tmp_path / "old"
+    for name in ("mlx_spec", "benchmarks", "tests"):
+        (tree / name).mkdir(parents=True)
+        (tree / name / "marker.py").write_text(f"# {name} of the old tree\n")
+    (tree / "mlx_spec" / "demo").mkdir()
+    (tree / "mlx_spec" / "demo" / "stale.txt").write_text("the old demo\n")
+    into = benchmark("before").export(str(tree), tmp_path / "into")
+    for name in ("mlx_spec", "benchmarks", "tests"):
+        assert (into / name / "marker.py").read_text() == f"# {name} of the old tree\n"
+    demo = into / "mlx_spec" / "demo"
+    assert not (demo / "stale.txt").exists()
+    shipped = Path(_demo.__file__).parent / "demo"
+    assert sorted(p.name for p in demo.iterdir()) == sorted(p.name for p in shipped.iterdir())
