@@ -240,12 +240,13 @@ def methods(
 
 
 def variants(target: nn.Module, draft: nn.Module | None, n: int) -> list[Method]:
-    """At ``N = n``: the draft model by rejection sampling, and each drafter (the residual one
-    too, and the target's MTP head where it has one) with the fused CUDA kernels turned off, to
-    set beside :func:`methods`' own."""
+    """At ``N = n``: the draft model by rejection sampling (and adaptive up to ``n`` by it), and
+    each drafter (the residual one too, and the target's MTP head where it has one) with the
+    fused CUDA kernels turned off, to set beside :func:`methods`' own."""
     out = []
     if draft is not None:
         out.append(mlx_spec(target, n, draft=draft, acceptance="residual"))
+        out.append(mlx_spec(target, n, draft=draft, acceptance="residual", adaptive=True))
         out.append(mlx_spec(target, n, draft=draft, acceptance="residual", fused=False))
         out.append(mlx_spec(target, n, draft=draft, fused=False))
     out.append(mlx_spec(target, n, drafter="prompt-lookup", fused=False))

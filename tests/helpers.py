@@ -130,7 +130,7 @@ def assert_generation_table(text: str, rows: list[dict]) -> list[dict[str, str]]
         }
         speed = float(line["tok/s"])
         assert_ratio(line["x plain"], speed, group["plain"])
-        drafter, _, length = line["method"].partition(" ")
+        drafter, _, length = line["method"].rpartition(" ")  # "draft residual", "N=2"
         if drafter == "draft" and f"mlx-lm {length}" in group:
             assert_ratio(line["x mlx-lm"], speed, group[f"mlx-lm {length}"])
         else:
@@ -210,7 +210,7 @@ def assert_spread_table(text: str, rows: list[dict]) -> list[dict[str, str]]:
             if (m["workload"], m["temp"]) == (line["workload"], line["temp"])
         }
         speed = group[line["method"]]
-        drafter, _, length = line["method"].partition(" ")
+        drafter, _, length = line["method"].rpartition(" ")  # "draft residual", "N=2"
         if drafter == "draft" and f"mlx-lm {length}" in group:
             assert_ratio(line["x mlx-lm"], speed, group[f"mlx-lm {length}"])
         else:

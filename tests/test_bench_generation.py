@@ -71,6 +71,23 @@ def test_generation_quick_on_the_demo_pair(tmp_path, capsys, monkeypatch, worklo
 
 
 @pytest.mark.slow
+def test_generation_variants_set_the_residual_rule_and_kernels_off_beside_the_defaults(
+    tmp_path, capsys
+):
+    out = tmp_path / "rows.json"
+    argv = ["--pair", "demo", "--quick", "--tokens", "6", "--workload", "open", "--temps", "0.8"]
+    benchmark("generation").main([*argv, "--variants", "2", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    names = {r["name"] for r in rows}
+    variants = {"draft residual N=2", "draft residual adaptive", "draft residual, no kernels N=2"}
+    variants |= {"draft, no kernels N=2", "lookup, no kernels N=2", "mtp, no kernels N=2"}
+    assert variants <= names
+    # Each kind against its own: the residual adaptive row's best fixed N is the residual N=2.
+    table = assert_generation_table(capsys.readouterr().out, rows)
+    assert {line["method"] for line in table} == names
+
+
+@pytest.mark.slow
 def test_generation_quick_on_the_hybrid_pair_compares_the_replay(tmp_path):
     out = tmp_path / "rows.json"
     args = ("--pair", "hybrid", "--quick", "--workload", "open", "--temps", "0", "--repeats", "1")
