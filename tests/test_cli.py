@@ -1256,6 +1256,9 @@ def test_generate_samples_with_the_acceptance_rule_it_is_given(rule, monkeypatch
     proc = generate("--temp", "1.0", "--max-tokens", "12", "--seed", "7", "--acceptance", rule)
     assert proc.returncode == 0, proc.stderr
     assert made == [rule] and SPECULATION.search(proc.stdout), proc.stdout
+    # Residual text depends on the draft lengths: the seed reproduces it with --fixed alone.
+    caveat = "(with residual acceptance, reproduces this text with --fixed only)"
+    assert (caveat in proc.stdout) == (rule == "residual"), proc.stdout
 
 
 def test_generate_offers_the_rules_the_library_has_and_refuses_others_in_one_line():

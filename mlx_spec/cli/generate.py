@@ -121,8 +121,8 @@ def setup_arg_parser() -> Parser:
             "how a sampled draft token is kept: coupled, when the target's own draw at its "
             "position (noise fixed by the seed and the position) equals it, so that the text is "
             "mlx-lm's for the seed whatever the drafter and N; or residual, rejection sampling, "
-            "which keeps somewhat more of a draft model's tokens and gives other text for a seed "
-            "(default: coupled)"
+            "which keeps more of a draft model's tokens where distributions are flat and gives "
+            "other text for a seed, the same only with --fixed (default: coupled)"
         ),
     )
     parser.add_argument(
@@ -428,9 +428,12 @@ def _generate(args: argparse.Namespace) -> int:
         if stats.drafted
         else "nothing drafted"
     )
+    # Residual text depends on the draft lengths, which adaptive lengths choose from timings.
+    timed = args.acceptance == "residual" and args.temp > 0 and not args.fixed
+    caveat = " (with residual acceptance, reproduces this text with --fixed only)" if timed else ""
     print(
         f"Speculation: {drafter}, N {length} {args.num_draft_tokens}, {stats.rounds} rounds, "
-        f"{drafts}, {stats.tokens_per_round:.2f} tokens per round; seed {key_seed}"
+        f"{drafts}, {stats.tokens_per_round:.2f} tokens per round; seed {key_seed}{caveat}"
     )
     if stats.drafted:
         print(kept_at(stats))
