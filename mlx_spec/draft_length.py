@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Protocol, runtime_checkable
@@ -211,9 +212,10 @@ class _Meter:
     plain steps."""
 
     def __init__(self) -> None:
-        # The seconds of rounds, by length, and of steady plain steps.
+        # The seconds of rounds, by length, and of the latest steady plain steps since the last
+        # round (nearest the rounds in time, and bounded where a drafter long proposes nothing).
         self._rounds: dict[int, list[float]] = {}
-        self._steps: list[float] = []
+        self._steps: deque[float] = deque(maxlen=_STEPS)
 
     def length(self, top: int) -> int:
         """The next round's ``N`` while measuring (``0``: a plain step): rounds of one token and
@@ -231,6 +233,7 @@ class _Meter:
         """Counts a timed round or plain step: the costs measured so far, once there are enough."""
         if not outcome.plain:
             self._rounds.setdefault(outcome.drafted, []).append(outcome.seconds)
+            self._steps.clear()
         elif not outcome.first:
             self._steps.append(outcome.seconds)
         lengths = sorted(n for n, times in self._rounds.items() if len(times) > _ROUNDS)

@@ -243,6 +243,23 @@ def test_rounds_cut_short_by_the_tokens_left_do_not_end_the_measuring() -> None:
     assert policy.choose(Round(8)) == 8
 
 
+def test_the_plain_steps_measured_are_the_latest() -> None:
+    # Prompt lookup may find nothing to propose for long before its first rounds: the plain
+    # steps timed then (here at 3 s, the machine busier) give way to those nearest the rounds.
+    policy = Adaptive(8)
+    for _ in range(1000):
+        policy.observe(Outcome(0, 0, seconds=3.0, plain=True))
+    for _ in range(40):
+        n = policy.choose(Round(8))
+        if n:
+            policy.observe(Outcome(n, n, seconds=2.0 + 0.5 * n))
+        else:
+            policy.observe(Outcome(0, 0, seconds=1.0, plain=True))
+        if policy.calibration is not None:
+            break
+    assert policy.calibration == Calibration(plain=1.0, round=pytest.approx(2.0), token=0.5)
+
+
 def test_the_first_measurement_at_each_length_and_first_plain_steps_are_left_out() -> None:
     # A compilation makes each length's first round slow, and a stretch's first step waits for
     # its own host work: neither moves the calibration.
