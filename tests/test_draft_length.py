@@ -196,20 +196,27 @@ def test_waiting_tokens_make_a_round_dearer() -> None:
     assert policy.choose(Round(8, pending=6)) < policy.choose(Round(8, pending=1))
 
 
-def test_adaptive_measures_its_calibration_once_then_keeps_it() -> None:
-    # Rounds cost 2 + 0.5 N seconds and plain steps 1 second: the measuring rounds draft the
-    # most and one token in turn, then plain steps run until enough are timed.
-    policy = Adaptive(8)
+def measure(policy: Adaptive, kept=lambda n: n) -> list[int]:
+    """Serves ``policy`` rounds that cost ``2 + 0.5 N`` seconds and keep ``kept(N)`` tokens, and
+    plain steps of 1 second, until its calibration is fixed (40 at most); returns its choices."""
     choices = []
     for _ in range(40):
         n = policy.choose(Round(8))
         choices.append(n)
         if n:
-            policy.observe(Outcome(n, n // 2, seconds=2.0 + 0.5 * n))
+            policy.observe(Outcome(n, kept(n), seconds=2.0 + 0.5 * n))
         else:
             policy.observe(Outcome(0, 0, seconds=1.0, plain=True))
         if policy.calibration is not None:
             break
+    return choices
+
+
+def test_adaptive_measures_its_calibration_once_then_keeps_it() -> None:
+    # Rounds cost 2 + 0.5 N seconds and plain steps 1 second: the measuring rounds draft the
+    # most and one token in turn, then plain steps run until enough are timed.
+    policy = Adaptive(8)
+    choices = measure(policy, kept=lambda n: n // 2)
     assert choices[:8] == [8, 1, 8, 1, 8, 1, 8, 1]
     assert set(choices[8:]) == {0}
     assert policy.calibration == Calibration(plain=1.0, round=pytest.approx(2.0), token=0.5)
@@ -230,14 +237,7 @@ def test_rounds_cut_short_by_the_tokens_left_do_not_end_the_measuring() -> None:
         n = policy.choose(Round(left - 1))
         policy.observe(Outcome(n, n, seconds=2.0 + 0.5 * n, plain=n == 0))
         left -= n + 1
-    for _ in range(40):
-        n = policy.choose(Round(8))
-        if n:
-            policy.observe(Outcome(n, n, seconds=2.0 + 0.5 * n))
-        else:
-            policy.observe(Outcome(0, 0, seconds=1.0, plain=True))
-        if policy.calibration is not None:
-            break
+    measure(policy)
     assert policy.calibration == Calibration(plain=1.0, round=pytest.approx(2.0), token=0.5)
     # Every draft token kept so far: the best N drafts the most.
     assert policy.choose(Round(8)) == 8
@@ -249,14 +249,7 @@ def test_the_plain_steps_measured_are_the_latest() -> None:
     policy = Adaptive(8)
     for _ in range(1000):
         policy.observe(Outcome(0, 0, seconds=3.0, plain=True))
-    for _ in range(40):
-        n = policy.choose(Round(8))
-        if n:
-            policy.observe(Outcome(n, n, seconds=2.0 + 0.5 * n))
-        else:
-            policy.observe(Outcome(0, 0, seconds=1.0, plain=True))
-        if policy.calibration is not None:
-            break
+    measure(policy)
     assert policy.calibration == Calibration(plain=1.0, round=pytest.approx(2.0), token=0.5)
 
 
