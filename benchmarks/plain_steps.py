@@ -100,9 +100,9 @@ class Unasked(Silent):
     free = False
 
 
-# Costs under which drafting never pays and no test round falls due within a benchmark's runs
-# (a round 100 plain steps): the policy it is given answers "a plain step" every time.
-NEVER = Calibration(plain=1.0, round=100.0, token=1.0)
+# Costs under which drafting never pays and no test round falls due (a round costs a million
+# plain steps): the policy it is given answers "a plain step" every time.
+NEVER = Calibration(plain=1.0, round=1e6, token=1.0)
 
 
 class HostOnly(nn.Module):
