@@ -52,10 +52,8 @@ def export(commit: str, into: Path) -> Path:
 
 def run(tree: Path, arguments: list[str]) -> str:
     """The output of ``tree``'s generation benchmark, its ``mlx_spec`` imported from ``tree``."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]),
-    }
+    paths = [str(tree), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     probe = [sys.executable, "-P", "-c", "import mlx_spec; print(mlx_spec.__file__)"]
     where = subprocess.run(probe, env=env, capture_output=True, text=True, check=True).stdout
     if not Path(where.strip()).is_relative_to(tree):
@@ -107,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
             for name, tree in ((f"before, run {i}", before), (f"now, run {i}", ROOT)):
                 print(f"# {name} of {args.rounds}", file=sys.stderr, flush=True)
                 runs[name] = rows(run(tree, arguments), args.rows)
-    names = sorted(runs, key=lambda name: (name.startswith("now"), name))
+    names = [name for name in runs if name.startswith("before")]
+    names += [name for name in runs if name.startswith("now")]
     keys = list(dict.fromkeys(key for found in runs.values() for key in found))
     print(f"# generation.py {' '.join(arguments)}: before = {args.commit}, now = this checkout")
     print("# each cell: x plain (x best fixed N), tokens a round, measured within its run")
