@@ -316,8 +316,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--variants",
         type=int,
         metavar="N",
-        help="also, at this N: the draft model by rejection sampling, and each drafter with the "
-        "fused CUDA kernels turned off (mlx_spec.bench.variants)",
+        help="also, at this N: the draft model by rejection sampling (and adaptive up to N by "
+        "it), and each drafter with the fused CUDA kernels turned off (mlx_spec.bench.variants)",
     )
     parser.add_argument("--quick", action="store_true", help="N = 2, one prompt, 16 tokens")
     parser.add_argument(
