@@ -243,9 +243,9 @@ def test_rounds_cut_short_by_the_tokens_left_do_not_end_the_measuring() -> None:
     assert policy.choose(Round(8)) == 8
 
 
-def test_the_plain_steps_measured_are_the_latest() -> None:
+def test_the_plain_steps_measured_are_those_after_the_rounds() -> None:
     # Prompt lookup may find nothing to propose for long before its first rounds: the plain
-    # steps timed then (here at 3 s, the machine busier) give way to those nearest the rounds.
+    # steps timed then (here at 3 s, the machine busier) give way to those after the rounds.
     policy = Adaptive(8)
     for _ in range(1000):
         policy.observe(Outcome(0, 0, seconds=3.0, plain=True))
