@@ -192,19 +192,13 @@ def _plain_below(calibration: Calibration, top: int, pending: int) -> float:
     return low
 
 
-@lru_cache(maxsize=256)
-def _patience(calibration: Calibration, top: int, pending: int) -> int:
-    """The plain steps whose cost is :data:`EXPLORE` times what a round of ``top`` tokens
-    costs over a plain step (at least one)."""
-    extra = float(calibration.cost(top, pending)) - calibration.plain
-    return max(1, math.ceil(EXPLORE * extra / max(calibration.plain, 1e-12)))
-
-
 def _or_test(n: int, untested: int, calibration: Calibration, top: int, pending: int = 1) -> int:
     """``n``, or ``top`` where ``n`` is a plain step and a test round is due: the ``untested``
     plain steps since a draft token was last tested have cost :data:`EXPLORE` times what a
     round of ``top`` tokens costs over a plain step."""
-    return top if n == 0 and untested >= _patience(calibration, top, pending) else n
+    extra = float(calibration.cost(top, pending)) - calibration.plain
+    patience = max(1, math.ceil(EXPLORE * extra / max(calibration.plain, 1e-12)))
+    return top if n == 0 and untested >= patience else n
 
 
 class _Meter:
