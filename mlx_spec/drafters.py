@@ -278,12 +278,13 @@ class ModelDrafter(Drafter):
 
 class _NgramIndex:
     """For every n-gram of the text (``min_n <= n <= max_n``), where it was last followed by a
-    token, and how often by each token; updated as the text grows."""
+    token, and with ``counting``, how often by each token; updated as the text grows."""
 
-    def __init__(self, min_n: int, max_n: int) -> None:
+    def __init__(self, min_n: int, max_n: int, counting: bool = False) -> None:
         self.sizes = range(max_n, min_n - 1, -1)
         self.last: dict[tuple[int, ...], int] = {}
         self.counts: dict[tuple[int, ...], Counter[int]] = {}
+        self.counting = counting
         self.ids: list[int] = []
 
     def extend(self, ids: list[int]) -> None:
@@ -295,7 +296,11 @@ class _NgramIndex:
                 if n <= end:
                     gram = tuple(text[end - n :])
                     self.last[gram] = end
-                    self.counts.setdefault(gram, Counter())[token] += 1
+                    if self.counting:
+                        counts = self.counts.get(gram)
+                        if counts is None:
+                            counts = self.counts[gram] = Counter()
+                        counts[token] += 1
             text.append(token)
 
     def match(self, suffix: list[int]) -> tuple[int, ...] | None:
@@ -358,7 +363,7 @@ class PromptLookupDrafter(Drafter):
         self._rule: Rule | None = None
 
     def start(self, text: Text, setup: DraftSetup) -> None:
-        self._index = _NgramIndex(self.min_ngram, self.max_ngram)
+        self._index = _NgramIndex(self.min_ngram, self.max_ngram, self.distribution)
         # An earlier turn's text, which a reused cache holds, is what a chat copies most.
         self._history = len(text.history)
         self._index.extend([*text.history, *text.ids(0)])
