@@ -10,6 +10,12 @@ fall (the drafter, ``N``, timing, ``max_tokens``) cannot change the text, and a 
 the text of mlx-lm's own plain sampling. It also keeps each position's draw key
 ``K_t = split(S_t)[1]``, which the split that advances the chain computes anyway, as mlx-lm's
 sequence computes the key and the next state with one split.
+
+The chain is computed on the host, with the Threefry-2x32 hash MLX's random bits come from: each
+state depends on the one before, so on the device every position cost a few small operations
+whose launches, on a GPU waiting for its host, cost more than the hash in Python
+(``benchmarks/plain_steps.py``). Where MLX's own split disagrees with the host's on a probe key (a
+generator MLX might change), each split is MLX's, read back.
 """
 
 from __future__ import annotations
@@ -20,30 +26,49 @@ import mlx.core as mx
 
 __all__ = ["KeyChain", "seed_of", "set_global_state"]
 
-#: Positions computed at a time, as one small graph. Each state costs a split, as much as the
-#: call of the graph itself does, and a chunk is computed whether or not its positions are
-#: reached: a short generation (a request of a few tokens) would pay for every state a long
-#: chunk computes past its end.
-CHUNK = 16
+_MASK = 0xFFFFFFFF
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def _threefry(k0: int, k1: int, x0: int, x1: int) -> tuple[int, int]:
+    """Threefry-2x32, 20 rounds: the two 32-bit words of the counter ``(x0, x1)`` hashed under
+    the key ``(k0, k1)``, as MLX's random bits are made."""
+    schedule = (k0, k1, k0 ^ k1 ^ 0x1BD11BDA)
+    x0, x1 = (x0 + k0) & _MASK, (x1 + k1) & _MASK
+    for i in range(5):
+        for r in _ROTATIONS[i % 2]:
+            x0 = (x0 + x1) & _MASK
+            x1 = (((x1 << r) & _MASK) | (x1 >> (32 - r))) ^ x0
+        x0 = (x0 + schedule[(i + 1) % 3]) & _MASK
+        x1 = (x1 + schedule[(i + 2) % 3] + i + 1) & _MASK
+    return x0, x1
+
+
+def _host_split(k0: int, k1: int) -> tuple[int, int, int, int]:
+    """``mx.random.split`` of the key ``(k0, k1)``, flattened: its first half (the next state),
+    then its second (the draw key). MLX fills the ``[2, 2]`` words from counters ``(0, 2)`` and
+    ``(1, 3)``, each hash giving a word of either half."""
+    a0, a2 = _threefry(k0, k1, 0, 2)
+    a1, a3 = _threefry(k0, k1, 1, 3)
+    return a0, a1, a2, a3
+
+
+def _device_split(k0: int, k1: int) -> tuple[int, int, int, int]:
+    """``mx.random.split`` of the key ``(k0, k1)`` by MLX, flattened (one device read)."""
+    return tuple(mx.random.split(mx.array([k0, k1], dtype=mx.uint32)).reshape(-1).tolist())
 
 
 @cache
-def _advance(steps: int):
-    """``state -> (states, keys, following)``: the ``CHUNK`` states from ``state`` on, each
-    reached from the one before by ``steps`` splits, the draw key of each (the second half of its
-    first split), and the state after them (compiled once)."""
+def _split() -> object:
+    """The host's split where it agrees with MLX's on a probe key, else MLX's."""
+    probe = (0x01234567, 0x89ABCDEF)
+    return _host_split if _host_split(*probe) == _device_split(*probe) else _device_split
 
-    def chain(state: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        states, keys = [], []
-        for _ in range(CHUNK):
-            states.append(state)
-            state, key = mx.random.split(state)
-            keys.append(key)
-            for _ in range(steps - 1):
-                state = mx.random.split(state)[0]
-        return mx.stack(states), mx.stack(keys), state
 
-    return mx.compile(chain)
+#: Positions whose states and keys go to the device together, as one array the rounds and steps
+#: slice: on a CUDA GPU, an array made from host data while a step is in flight cost a pipelined
+#: step far more than its copy (``benchmarks/plain_steps.py``).
+BLOCK = 32
 
 
 class KeyChain:
@@ -51,7 +76,8 @@ class KeyChain:
     key ``K_t = split(S_t)[1]`` that a draw at each position takes.
 
     Args:
-        state (array): ``[2]`` uint32 ``S_0``, the state before the first generated token.
+        state (array): ``[2]`` uint32 ``S_0``, the state before the first generated token (read
+            once: the chain is computed on the host).
         steps (int): the keys a sampler call draws (how far apart consecutive states are).
             Default: ``1``, as ``mx.random.categorical`` draws.
         global_state (bool): whether ``state`` is ``mx.random``'s global state, which the
@@ -61,29 +87,37 @@ class KeyChain:
     def __init__(self, state: mx.array, steps: int = 1, global_state: bool = False) -> None:
         self.steps = steps
         self.global_state = global_state
-        self._states = mx.zeros((0, 2), dtype=mx.uint32)
-        self._keys = mx.zeros((0, 2), dtype=mx.uint32)
-        self._next = state
+        self._next = tuple(state.tolist())
+        # Block b: [BLOCK, 4] uint32, row t the words of S_{b * BLOCK + t}, then of its key.
+        self._blocks: list[mx.array] = []
 
-    def _reach(self, end: int) -> None:
-        """Computes the chain up to position ``end`` (excluded), a chunk at a time."""
-        while self._states.shape[0] < end:
-            states, keys, self._next = _advance(self.steps)(self._next)
-            self._states = mx.concatenate([self._states, states])
-            self._keys = mx.concatenate([self._keys, keys])
-            # Computed meanwhile, not waited for: a chunk is small, and the rounds read it.
-            mx.async_eval(self._states, self._keys, self._next)
+    def _rows(self, start: int, count: int) -> mx.array:
+        """``[count, 4]`` uint32: the states then the keys of positions ``start`` on."""
+        split = _split()
+        while len(self._blocks) * BLOCK < start + count:
+            rows, state = [], self._next
+            for _ in range(BLOCK):
+                words = split(*state)
+                rows.append((*state, *words[2:]))
+                state = words[:2]
+                for _ in range(self.steps - 1):
+                    state = split(*state)[:2]
+            self._next = state
+            self._blocks.append(mx.array(rows, dtype=mx.uint32))
+        first, last = start // BLOCK, max(start + count - 1, start) // BLOCK
+        block = (
+            self._blocks[first] if first == last else mx.concatenate(self._blocks[first : last + 1])
+        )
+        return block[start - first * BLOCK : start - first * BLOCK + count]
 
     def states(self, start: int, count: int) -> mx.array:
         """``[count, 2]`` uint32: ``S_start, ..., S_{start + count - 1}``."""
-        self._reach(start + count)
-        return self._states[start : start + count]
+        return self._rows(start, count)[:, :2]
 
     def keys(self, start: int, count: int) -> mx.array:
         """``[count, 2]`` uint32: ``K_start, ..., K_{start + count - 1}``, the keys that
         ``mx.random.categorical`` takes at those positions in mlx-lm's sequence."""
-        self._reach(start + count)
-        return self._keys[start : start + count]
+        return self._rows(start, count)[:, 2:]
 
     def state(self, position: int) -> mx.array:
         """``[2]`` uint32: ``S_position``."""

@@ -14,9 +14,11 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from functools import cache
 
 import mlx.core as mx
 import mlx_lm
+import numpy as np
 import pytest
 from helpers import PROMPT, ByteTokenizer, Silent, run
 from mlx_lm.generate import generate_step
@@ -67,25 +69,48 @@ def busy_cpu():
 
 
 @pytest.mark.parametrize("steps", [1, 2])
-def test_the_key_chain_is_mx_randoms_sequence_across_its_chunks(steps) -> None:
+def test_the_key_chain_is_mx_randoms_sequence(steps) -> None:
     # Position t's state is the state mx.random's sequence reaches after t draws of `steps` keys
-    # each, and its key the one it hands out there, read in pieces that start and end inside
-    # chunks and cross their boundaries.
+    # each, and its key the one it hands out there, read in pieces out of order, across the
+    # host arrays' growth.
     start = mx.random.key(7)
     expected, state = [], start
-    for _ in range(3 * keys.CHUNK + 5):
+    for _ in range(150):
         expected.append(state.tolist())
         for _ in range(steps):
             state = mx.random.split(state)[0]
     chain = keys.KeyChain(start, steps)
-    pieces = [(0, 1), (1, keys.CHUNK), (keys.CHUNK + 1, keys.CHUNK + 3), (3 * keys.CHUNK, 5)]
-    got = [row for first, count in pieces for row in chain.states(first, count).tolist()]
-    assert got == expected[: 2 * keys.CHUNK + 4] + expected[3 * keys.CHUNK :]
-    assert chain.state(keys.CHUNK - 1).tolist() == expected[keys.CHUNK - 1]
+    pieces = [(0, 1), (1, 40), (100, 50), (41, 59)]
+    got = {first: chain.states(first, count).tolist() for first, count in pieces}
+    assert [row for first, _ in sorted(pieces) for row in got[first]] == expected
+    assert chain.state(63).tolist() == expected[63]
     # Each position's key: the one mx.random.categorical takes from the sequence at its state.
     drawn = [mx.random.split(mx.array(s, dtype=mx.uint32))[1].tolist() for s in expected]
-    got = [row for first, count in pieces for row in chain.keys(first, count).tolist()]
-    assert got == drawn[: 2 * keys.CHUNK + 4] + drawn[3 * keys.CHUNK :]
+    got = {first: chain.keys(first, count).tolist() for first, count in pieces}
+    assert [row for first, _ in sorted(pieces) for row in got[first]] == drawn
+
+
+def test_the_hosts_split_is_mlxs() -> None:
+    # The chain's Threefry on the host must give MLX's bits, word for word, for any key.
+    rng = np.random.default_rng(0)
+    for k0, k1 in rng.integers(0, 2**32, size=(300, 2), dtype=np.uint64).tolist():
+        split = mx.random.split(mx.array([k0, k1], dtype=mx.uint32)).reshape(-1).tolist()
+        assert keys._host_split(k0, k1) == tuple(split)
+    assert keys._split() is keys._host_split
+
+
+def test_a_host_split_that_disagrees_with_mlx_is_not_used(monkeypatch) -> None:
+    # A later MLX could make its bits otherwise: the chain then splits with MLX, and stays its
+    # sequence.
+    monkeypatch.setattr(keys, "_host_split", lambda k0, k1: (k0, k1, k1, k0))
+    monkeypatch.setattr(keys, "_split", cache(keys._split.__wrapped__))
+    assert keys._split() is keys._device_split
+    start = mx.random.key(3)
+    state, expected = start, []
+    for _ in range(5):
+        state, key = mx.random.split(state)
+        expected.append(key.tolist())
+    assert keys.KeyChain(start).keys(0, 5).tolist() == expected
 
 
 @pytest.mark.parametrize("name", list(SAMPLERS))
