@@ -12,10 +12,9 @@ the text of mlx-lm's own plain sampling. It also keeps each position's draw key
 sequence computes the key and the next state with one split.
 
 The chain is computed on the host, with the Threefry-2x32 hash MLX's random bits come from: each
-state depends on the one before, so on the device every position cost a few small operations
-whose launches, on a GPU waiting for its host, cost more than the hash in Python
-(``benchmarks/plain_steps.py``). Where MLX's own split disagrees with the host's on a probe key (a
-generator MLX might change), each split is MLX's, read back.
+state depends on the one before, so on the device every position took a few small operations,
+each launched apart (``benchmarks/key_chain.py`` times both ways). Where MLX's own split disagrees
+with the host's on a probe key (a generator MLX might change), each split is MLX's, read back.
 """
 
 from __future__ import annotations
@@ -65,9 +64,9 @@ def _split() -> object:
     return _host_split if _host_split(*probe) == _device_split(*probe) else _device_split
 
 
-#: Positions whose states and keys go to the device together, as one array the rounds and steps
-#: slice: on a CUDA GPU, an array made from host data while a step is in flight cost a pipelined
-#: step far more than its copy (``benchmarks/plain_steps.py``).
+#: Positions whose states and keys go to the device together, as one array that steps and rounds
+#: slice: a key array made from host data for every step slowed pipelined plain steps on a CUDA
+#: GPU, where the chain on the device had not (``benchmarks/plain_steps.py``).
 BLOCK = 32
 
 

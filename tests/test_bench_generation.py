@@ -210,6 +210,26 @@ def test_plain_steps_table():
             assert abs(float(row[f"plain / {method}"].rstrip("x")) - plain / ms) <= slack
 
 
+def test_key_chain_table(capsys):
+    benchmark("key_chain").main(["--positions", "40", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "40 positions, median of 1" in out
+    (row,) = markdown_table(out, "host")
+    host, device = float(row["host"]), float(row["device"])
+    assert host > 0 and device > 0 and float(row["split"]) > 0
+    # Microseconds printed to 1 decimal, the ratio to 2.
+    slack = 0.005 + (device / host) * (0.05 / host + 0.05 / device)
+    assert abs(float(row["device / host"].rstrip("x")) - device / host) <= slack
+
+
+def test_key_chain_refuses_a_chain_that_is_not_mlx_lms(monkeypatch):
+    # The script checks each way's keys against mlx-lm's sequence before timing any.
+    module = benchmark("key_chain")
+    monkeypatch.setitem(module.METHODS, "host", lambda start: lambda position: start[None])
+    with pytest.raises(SystemExit, match="the host chain gave other keys"):
+        module.main(["--positions", "4", "--repeats", "1"])
+
+
 def test_plain_steps_of_a_batch(capsys):
     benchmark("plain_steps").main(
         ["--pair", "host", "--temps", "0.8", "--tokens", "6", "--repeats", "1", "--batch", "3"]
