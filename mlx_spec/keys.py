@@ -19,6 +19,7 @@ with the host's on a probe key (a generator MLX might change), each split is MLX
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 
 import mlx.core as mx
@@ -58,7 +59,7 @@ def _device_split(k0: int, k1: int) -> tuple[int, int, int, int]:
 
 
 @cache
-def _split() -> object:
+def _split() -> Callable[[int, int], tuple[int, int, int, int]]:
     """The host's split where it agrees with MLX's on a probe key, else MLX's."""
     probe = (0x01234567, 0x89ABCDEF)
     return _host_split if _host_split(*probe) == _device_split(*probe) else _device_split
