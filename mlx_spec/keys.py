@@ -91,15 +91,15 @@ class KeyChain:
         # Block b: [BLOCK, 4] uint32, row t the words of S_{b * BLOCK + t}, then of its key.
         self._blocks: list[mx.array] = []
 
-    def _rows(self, start: int, count: int) -> mx.array:
-        """``[count, 4]`` uint32: the states then the keys of positions ``start`` on."""
-        split = _split()
+    def _rows(self, start: int, count: int, words: slice) -> mx.array:
+        """``[count, 2]`` uint32: the ``words`` (``0:2`` the state, ``2:4`` its key) of positions
+        ``start`` on, sliced once."""
         while len(self._blocks) * BLOCK < start + count:
-            rows, state = [], self._next
+            split, rows, state = _split(), [], self._next
             for _ in range(BLOCK):
-                words = split(*state)
-                rows.append((*state, *words[2:]))
-                state = words[:2]
+                halves = split(*state)
+                rows.append((*state, *halves[2:]))
+                state = halves[:2]
                 for _ in range(self.steps - 1):
                     state = split(*state)[:2]
             self._next = state
@@ -108,16 +108,16 @@ class KeyChain:
         block = (
             self._blocks[first] if first == last else mx.concatenate(self._blocks[first : last + 1])
         )
-        return block[start - first * BLOCK : start - first * BLOCK + count]
+        return block[start - first * BLOCK : start - first * BLOCK + count, words]
 
     def states(self, start: int, count: int) -> mx.array:
         """``[count, 2]`` uint32: ``S_start, ..., S_{start + count - 1}``."""
-        return self._rows(start, count)[:, :2]
+        return self._rows(start, count, slice(0, 2))
 
     def keys(self, start: int, count: int) -> mx.array:
         """``[count, 2]`` uint32: ``K_start, ..., K_{start + count - 1}``, the keys that
         ``mx.random.categorical`` takes at those positions in mlx-lm's sequence."""
-        return self._rows(start, count)[:, 2:]
+        return self._rows(start, count, slice(2, 4))
 
     def state(self, position: int) -> mx.array:
         """``[2]`` uint32: ``S_position``."""
