@@ -28,29 +28,36 @@ __all__ = ["KeyChain", "seed_of", "set_global_state"]
 
 _MASK = 0xFFFFFFFF
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+# Two 32-bit lanes of one Python int, 64 bits apart: a carry or a rotation's spill out of the low
+# lane lands in bits the mask clears, so one operation hashes both lanes.
+_LANE = 64
+_LANES = _MASK | _MASK << _LANE
 
 
-def _threefry(k0: int, k1: int, x0: int, x1: int) -> tuple[int, int]:
-    """Threefry-2x32, 20 rounds: the two 32-bit words of the counter ``(x0, x1)`` hashed under
-    the key ``(k0, k1)``, as MLX's random bits are made."""
-    schedule = (k0, k1, k0 ^ k1 ^ 0x1BD11BDA)
-    x0, x1 = (x0 + k0) & _MASK, (x1 + k1) & _MASK
-    for i in range(5):
-        for r in _ROTATIONS[i % 2]:
-            x0 = (x0 + x1) & _MASK
-            x1 = (((x1 << r) & _MASK) | (x1 >> (32 - r))) ^ x0
-        x0 = (x0 + schedule[(i + 1) % 3]) & _MASK
-        x1 = (x1 + schedule[(i + 2) % 3] + i + 1) & _MASK
-    return x0, x1
+def _both(word: int) -> int:
+    """``word`` in both lanes."""
+    return word | word << _LANE
 
 
 def _host_split(k0: int, k1: int) -> tuple[int, int, int, int]:
     """``mx.random.split`` of the key ``(k0, k1)``, flattened: its first half (the next state),
-    then its second (the draw key). MLX fills the ``[2, 2]`` words from counters ``(0, 2)`` and
-    ``(1, 3)``, each hash giving a word of either half."""
-    a0, a2 = _threefry(k0, k1, 0, 2)
-    a1, a3 = _threefry(k0, k1, 1, 3)
-    return a0, a1, a2, a3
+    then its second (the draw key).
+
+    MLX fills the ``[2, 2]`` words with Threefry-2x32 (20 rounds) under the key, at the counters
+    ``(0, 2)`` and ``(1, 3)``, each hash giving a word of either half; the two hashes run here as
+    the two lanes of each word.
+    """
+    k2 = k0 ^ k1 ^ 0x1BD11BDA
+    schedule = (_both(k0), _both(k1), _both(k2))
+    x0 = (schedule[0] + (1 << _LANE)) & _LANES  # counters 0 and 1
+    x1 = (schedule[1] + (2 | 3 << _LANE)) & _LANES  # counters 2 and 3
+    for i in range(5):
+        for r in _ROTATIONS[i % 2]:
+            x0 = (x0 + x1) & _LANES
+            x1 = (((x1 << r) | (x1 >> (32 - r))) & _LANES) ^ x0
+        x0 = (x0 + schedule[(i + 1) % 3]) & _LANES
+        x1 = (x1 + schedule[(i + 2) % 3] + _both(i + 1)) & _LANES
+    return x0 & _MASK, x0 >> _LANE, x1 & _MASK, x1 >> _LANE
 
 
 def _device_split(k0: int, k1: int) -> tuple[int, int, int, int]:
