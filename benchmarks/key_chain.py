@@ -12,7 +12,8 @@ the one before, so the chain is sequential. This times, per position, making the
   for each token it samples (for scale: it keeps no chain).
 
 The three give the same keys (checked). Prints the median microseconds a position of
-``--repeats`` runs of ``--positions`` positions each, interleaved, and ``device / host``.
+``--repeats`` runs of ``--positions`` positions each, interleaved, and ``device / host``; and
+``hash``, the host chain's own work: its split of each state, in Python, without the device.
 
 Usage: ``python benchmarks/key_chain.py [--positions 512] [--repeats 7]``.
 """
@@ -27,7 +28,7 @@ from functools import cache
 
 import mlx.core as mx
 
-from mlx_spec.keys import KeyChain
+from mlx_spec.keys import KeyChain, _split
 
 CHUNK = 16
 
@@ -91,6 +92,15 @@ def run(method: str, positions: int) -> tuple[float, list[list[int]]]:
     return 1e6 * seconds / positions, mx.concatenate(made).tolist()
 
 
+def hash_alone(positions: int) -> float:
+    """Microseconds a position of the host chain's splits alone."""
+    state, split = tuple(mx.random.key(3).tolist()), _split()
+    start = time.perf_counter()
+    for _ in range(positions):
+        state = split(*state)[:2]
+    return 1e6 * (time.perf_counter() - start) / positions
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--positions", type=int, default=512)
@@ -104,18 +114,20 @@ def main(argv: list[str] | None = None) -> None:
     for method in METHODS:
         if run(method, 100)[1] != reference:
             raise SystemExit(f"key_chain.py: the {method} chain gave other keys than mlx-lm's")
-    times: dict[str, list[float]] = {method: [] for method in METHODS}
+    times: dict[str, list[float]] = {method: [] for method in (*METHODS, "hash")}
     for _ in range(args.repeats):
         for method in METHODS:
             times[method].append(run(method, args.positions)[0])
+        times["hash"].append(hash_alone(args.positions))
     us = {method: statistics.median(values) for method, values in times.items()}
     print(
         f"# key chain: {mx.default_device()}, MLX {mx.__version__}, {args.positions} positions, "
         f"median of {args.repeats} interleaved runs; us a position"
     )
-    print("| host | device | split | device / host |")
-    print("|---|---|---|---|")
-    cells = [f"{us[method]:.1f}" for method in METHODS] + [f"{us['device'] / us['host']:.2f}x"]
+    print("| host | device | split | device / host | hash |")
+    print("|---|---|---|---|---|")
+    cells = [f"{us[method]:.1f}" for method in METHODS]
+    cells += [f"{us['device'] / us['host']:.2f}x", f"{us['hash']:.1f}"]
     print(f"| {' | '.join(cells)} |")
 
 

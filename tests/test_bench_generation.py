@@ -216,7 +216,7 @@ def test_key_chain_table(capsys):
     assert "40 positions, median of 1" in out
     (row,) = markdown_table(out, "host")
     host, device = float(row["host"]), float(row["device"])
-    assert host > 0 and device > 0 and float(row["split"]) > 0
+    assert host > 0 and device > 0 and float(row["split"]) > 0 and float(row["hash"]) > 0
     # Microseconds printed to 1 decimal, the ratio to 2.
     slack = 0.005 + (device / host) * (0.05 / host + 0.05 / device)
     assert abs(float(row["device / host"].rstrip("x")) - device / host) <= slack
