@@ -28,8 +28,8 @@ __all__ = ["KeyChain", "seed_of", "set_global_state"]
 
 _MASK = 0xFFFFFFFF
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
-# Two 32-bit lanes of one Python int, 64 bits apart: a carry or a rotation's spill out of the low
-# lane lands in bits the mask clears, so one operation hashes both lanes.
+# Two 32-bit lanes of one Python int, 64 bits apart: a carry out of either lane, and what a
+# rotation shifts out of either, land in bits the mask clears, so one operation hashes both.
 _LANE = 64
 _LANES = _MASK | _MASK << _LANE
 
