@@ -101,7 +101,8 @@ class KeyChain:
     def _rows(self, start: int, count: int, words: slice) -> mx.array:
         """``[count, 2]`` uint32: the ``words`` (``0:2`` the state, ``2:4`` its key) of positions
         ``start`` on, sliced once."""
-        while len(self._blocks) * BLOCK < start + count:
+        first, last = start // BLOCK, max(start + count - 1, start) // BLOCK
+        while len(self._blocks) <= last:
             split, rows, state = _split(), [], self._next
             for _ in range(BLOCK):
                 halves = split(*state)
@@ -111,7 +112,6 @@ class KeyChain:
                     state = split(*state)[:2]
             self._next = state
             self._blocks.append(mx.array(rows, dtype=mx.uint32))
-        first, last = start // BLOCK, max(start + count - 1, start) // BLOCK
         block = (
             self._blocks[first] if first == last else mx.concatenate(self._blocks[first : last + 1])
         )

@@ -88,6 +88,8 @@ def test_the_key_chain_is_mx_randoms_sequence(steps) -> None:
     drawn = [mx.random.split(mx.array(s, dtype=mx.uint32))[1].tolist() for s in expected]
     got = {first: chain.keys(first, count).tolist() for first, count in pieces}
     assert [row for first, _ in sorted(pieces) for row in got[first]] == drawn
+    # No positions, where a block ends and one not yet computed begins.
+    assert chain.keys(160, 0).shape == (0, 2) and chain.states(160, 0).shape == (0, 2)
 
 
 def test_the_hosts_split_is_mlxs() -> None:
