@@ -22,7 +22,7 @@ generation, a lookup draft is instead drawn, as the generation's rule draws
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -283,7 +283,7 @@ class _NgramIndex:
     def __init__(self, min_n: int, max_n: int, counting: bool = False) -> None:
         self.sizes = range(max_n, min_n - 1, -1)
         self.last: dict[tuple[int, ...], int] = {}
-        self.counts: dict[tuple[int, ...], Counter[int]] = {}
+        self.counts: defaultdict[tuple[int, ...], Counter[int]] = defaultdict(Counter)
         self.counting = counting
         self.ids: list[int] = []
 
@@ -297,10 +297,7 @@ class _NgramIndex:
                     gram = tuple(text[end - n :])
                     self.last[gram] = end
                     if self.counting:
-                        counts = self.counts.get(gram)
-                        if counts is None:
-                            counts = self.counts[gram] = Counter()
-                        counts[token] += 1
+                        self.counts[gram][token] += 1
             text.append(token)
 
     def match(self, suffix: list[int]) -> tuple[int, ...] | None:
