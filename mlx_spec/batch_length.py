@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import numpy as np
-
 from .draft_length import (
     Adaptive,
     Calibration,
@@ -22,7 +20,6 @@ from .draft_length import (
     _expected,
     _fastest,
     _Meter,
-    _or_test,
 )
 
 __all__ = ["BatchAdaptive"]
@@ -87,12 +84,10 @@ class BatchAdaptive:
         calibration = self.calibrations.get(len(rows))
         if calibration is None:
             return self._meters.setdefault(len(rows), _Meter()).length(top)
-        rates = np.array([estimate.acceptance(r.label) for estimate, r in rows])
-        caps = np.array([r.cap for _, r in rows])
-        # [B, top + 1]: each row's E(min(N, cap)) for N = 0 .. top, summed over the rows.
-        expected = _expected(rates[:, None], top)
-        tokens = np.take_along_axis(expected, np.minimum(np.arange(top + 1), caps[:, None]), 1)
-        return _or_test(_fastest(tokens.sum(axis=0), calibration), self._untested, calibration, top)
+        expected = [(_expected(estimate.acceptance(r.label), top), r.cap) for estimate, r in rows]
+        # Each row's E(min(N, cap)) for N = 0 .. top, summed over the rows.
+        tokens = [sum(e[min(n, cap)] for e, cap in expected) for n in range(top + 1)]
+        return _fastest(tokens, calibration, untested=self._untested)
 
     def observe(self, rows: int, outcome: Outcome) -> None:
         """Learns the timed ``outcome`` of a round (``drafted``: its ``N``) or plain step

@@ -1,32 +1,30 @@
 """How many tokens to draft each round: a :class:`DraftPolicy` the loop asks and tells.
 
-Before each round the loop asks :meth:`DraftPolicy.choose` for ``N`` given a :class:`Round`, and
-after it tells :meth:`DraftPolicy.observe` what happened (an :class:`Outcome`); ``N = 0`` runs a
-plain step of the target. :class:`Fixed` always drafts ``n``. :class:`Adaptive` takes the ``N``
-that maximises ``E(N) / cost(N)``: a round drafting ``N`` yields ``E(N) = 1 + a + ... + a^N``
-tokens on average (``a``, the chance a draft token is kept once the one before it was, counted
-per kind of proposal), and costs ``round + token * N`` seconds (a :class:`Calibration`), a plain
-step ``plain`` seconds for one token. Where that rule takes plain steps and nothing has been
-tested for a while (a draft model has no guess to test during plain steps), a test round of the
-most tokens runs once the plain steps since the last test have cost :data:`EXPLORE` times what
-the round costs over a plain step, so that a drafter whose acceptance has changed gets drafting
-back, at most about ``1 / EXPLORE`` of plain decoding's time lost where it never pays.
+Before each round the loop asks :meth:`DraftPolicy.choose` for ``N`` (``0``: a plain step of the
+target) given a :class:`Round`, and after it tells :meth:`DraftPolicy.observe` the
+:class:`Outcome`. :class:`Fixed` always drafts ``n``. :class:`Adaptive` takes the ``N`` that
+maximises ``E(N) / cost(N)``: a round drafting ``N`` yields ``E(N) = 1 + a + ... + a^N`` tokens on
+average (``a``: the chance a draft token is kept once the one before it was, per kind of
+proposal) and costs ``round + token * N`` seconds, a plain step ``plain`` (a :class:`Calibration`).
+Where that rule takes plain steps that test no draft, a round of the most tokens runs once they
+have cost :data:`EXPLORE` times what it costs over a plain step, so that a drafter whose acceptance
+has changed gets drafting back, losing at most about ``1 / EXPLORE`` of plain decoding's time.
 
-Sampling is keyed by text position (:mod:`mlx_spec.keys`), so no choice of ``N`` changes the text,
-only how fast it comes. Given a :class:`Calibration`, :class:`Adaptive` is deterministic; without
-one it measures its own once, in its first rounds and plain steps, and keeps it.
+Sampling is keyed by text position (:mod:`mlx_spec.keys`), so no ``N`` changes the text, only how
+fast it comes. Given a :class:`Calibration`, :class:`Adaptive` is deterministic; without one it
+measures its own in its first rounds and plain steps, and keeps it.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Protocol, runtime_checkable
 
-import numpy as np
+from ._checks import check_int
 
 __all__ = [
     "EXPLORE",
@@ -42,6 +40,15 @@ __all__ = [
 #: The most draft tokens a round may take: a round keeps on average fewer than ``1 / (1 - a)``
 #: tokens at an acceptance rate ``a`` (20 at 95%), and each draft token costs a scored position.
 MAX_DRAFT_TOKENS = 64
+
+#: How many times what a test round costs over a plain step the plain steps since a draft was last
+#: tested must cost before :class:`Adaptive` tests one (see the module's description).
+EXPLORE = 32
+
+# Rounds measured at each of two lengths, and steady plain steps, before a calibration is fixed.
+_ROUNDS, _STEPS = 3, 8
+# The acceptance estimate's prior: 2 draft tokens kept of 3 tested.
+_PRIOR = (2.0, 3.0)
 
 
 @dataclass(frozen=True)
@@ -106,14 +113,10 @@ class Fixed:
     """
 
     def __init__(self, n: int) -> None:
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_DRAFT_TOKENS:
-            raise ValueError(f"Fixed: `n` must be an int in [0, {MAX_DRAFT_TOKENS}], got {n!r}")
-        self.n = n
+        self.n = check_int("Fixed", "n", n, 0, MAX_DRAFT_TOKENS)
 
     def choose(self, round: Round) -> int:
-        if round.replays and round.pending > self.n + 1:
-            return 0
-        return min(self.n, round.cap)
+        return 0 if round.replays and round.pending > self.n + 1 else min(self.n, round.cap)
 
     def observe(self, outcome: Outcome) -> None:
         pass
@@ -133,72 +136,32 @@ class Calibration:
     round: float
     token: float
 
-    def cost(self, n: int | np.ndarray, pending: int = 1) -> float | np.ndarray:
+    def cost(self, n: int, pending: int = 1) -> float:
         """Seconds of a round drafting ``n`` tokens over ``pending`` waiting ones."""
         return self.round + self.token * (n + pending - 1)
 
 
-#: How many times what a test round costs over a plain step the plain steps since the last tested
-#: draft must have cost before :class:`Adaptive` tests one: the time lost where drafts are never
-#: kept is then at most about ``1 / EXPLORE`` of plain decoding's.
-EXPLORE = 32
-
-# Rounds measured at each of two lengths, and steady plain steps, before a calibration is fixed.
-_ROUNDS, _STEPS = 3, 8
-# The acceptance estimate's prior: 2 draft tokens kept of 3 tested.
-_PRIOR = (2.0, 3.0)
-
-
-_POWERS = np.arange(MAX_DRAFT_TOKENS + 1)
+def _expected(a: float, top: int) -> list[float]:
+    """The ``top + 1`` tokens a round drafting ``0 .. top`` yields on average at acceptance
+    ``a``: ``E(N) = 1 + a + ... + a^N``."""
+    a, term, tokens = min(a, 0.999), 1.0, [1.0]
+    for _ in range(top):
+        term *= a
+        tokens.append(tokens[-1] + term)
+    return tokens
 
 
-def _expected(a: float | np.ndarray, top: int) -> np.ndarray:
-    """``[..., top + 1]``: the tokens a round drafting ``0 .. top`` yields on average at
-    acceptance ``a`` (a float, or ``[B, 1]`` rates: ``E(N) = 1 + a + ... + a^N``)."""
-    return np.cumsum(np.minimum(a, 0.999) ** _POWERS[: top + 1], axis=-1)
-
-
-@lru_cache(maxsize=256)
-def _costs(calibration: Calibration, count: int, pending: int) -> np.ndarray:
-    """``[count]``: the seconds of rounds drafting ``0 .. count - 1`` tokens, ``N = 0`` costing a
-    plain step (kept: the loop asks at every plain step, with few distinct arguments)."""
-    costs = np.asarray(calibration.cost(np.arange(count), pending), dtype=np.float64)
-    costs[0] = calibration.plain
-    costs = np.maximum(costs, 1e-12)
-    costs.flags.writeable = False
-    return costs
-
-
-def _fastest(tokens: np.ndarray, calibration: Calibration, pending: int = 1) -> int:
-    """The ``N`` whose ``tokens[N]`` come fastest, ``N = 0`` costing a plain step."""
-    return int(np.argmax(tokens / _costs(calibration, len(tokens), pending)))
-
-
-@lru_cache(maxsize=256)
-def _plain_below(calibration: Calibration, top: int, pending: int) -> float:
-    """An acceptance at or below which :func:`_fastest` takes a plain step over rounds of up to
-    ``top`` tokens (``-1`` where it never does), found once by bisection: a round's tokens grow
-    with the acceptance. Between rounds the loop asks before every plain step; this answers
-    without the sums (``benchmarks/plain_steps.py --ablate``, ``stretch, policy asked``)."""
-    if _fastest(_expected(0.0, top), calibration, pending):
-        return -1.0
-    low, high = 0.0, 1.0
-    for _ in range(40):
-        middle = (low + high) / 2
-        if _fastest(_expected(middle, top), calibration, pending):
-            high = middle
-        else:
-            low = middle
-    return low
-
-
-def _or_test(n: int, untested: int, calibration: Calibration, top: int, pending: int = 1) -> int:
-    """``n``, or ``top`` where ``n`` is a plain step and a test round is due: the ``untested``
-    plain steps since a draft token was last tested have cost :data:`EXPLORE` times what a
-    round of ``top`` tokens costs over a plain step."""
-    extra = float(calibration.cost(top, pending)) - calibration.plain
-    patience = max(1, math.ceil(EXPLORE * extra / max(calibration.plain, 1e-12)))
-    return top if n == 0 and untested >= patience else n
+def _fastest(tokens: list[float], costs: Calibration, pending: int = 1, untested: int = 0) -> int:
+    """The ``N`` whose ``tokens[N]`` come fastest (``N = 0``: a plain step), or a test round of
+    the most, ``len(tokens) - 1``, where the ``untested`` plain steps are due one. Plain Python:
+    the loop asks before every plain step, where NumPy's calls would cost more than the sums."""
+    fastest, rate = 0, tokens[0] / max(costs.plain, 1e-12)
+    for n in range(1, len(tokens)):
+        if (this := tokens[n] / max(costs.cost(n, pending), 1e-12)) > rate:
+            fastest, rate = n, this
+    top = len(tokens) - 1
+    patience = EXPLORE * (costs.cost(top, pending) - costs.plain) / max(costs.plain, 1e-12)
+    return top if fastest == 0 and untested >= max(1, math.ceil(patience)) else fastest
 
 
 class _Meter:
@@ -212,16 +175,14 @@ class _Meter:
         self._steps: deque[float] = deque(maxlen=_STEPS)
 
     def length(self, top: int) -> int:
-        """The next round's ``N`` while measuring (``0``: a plain step): rounds of one token and
-        of ``top`` in turn, until one token and some longer length each have enough (a round
-        the tokens left cut short counts at its own length)."""
+        """The next ``N`` while measuring (``0``: a plain step): rounds of one token and of
+        ``top`` in turn, until one token and some longer length each have enough (a round the
+        tokens left cut short counts at its own length)."""
         short = len(self._rounds.get(1, []))
         long = max((len(t) for n, t in self._rounds.items() if n > 1), default=0)
         if min(short, long) > _ROUNDS:
             return 0
-        if short > _ROUNDS or (long <= _ROUNDS and short >= long):
-            return top
-        return 1
+        return top if short > _ROUNDS or (long <= _ROUNDS and short >= long) else 1
 
     def record(self, outcome: Outcome) -> Calibration | None:
         """Counts a timed round or plain step: the costs measured so far, once there are enough."""
@@ -241,9 +202,8 @@ class _Meter:
 
 
 def _check_policy(op: str, most: object, decay: object) -> None:
-    if isinstance(most, bool) or not isinstance(most, int) or not 1 <= most <= MAX_DRAFT_TOKENS:
-        raise ValueError(f"{op}: `most` must be an int in [1, {MAX_DRAFT_TOKENS}], got {most!r}")
-    if not 0 < decay <= 1:
+    check_int(op, "most", most, 1, MAX_DRAFT_TOKENS)
+    if not isinstance(decay, numbers.Real) or isinstance(decay, bool) or not 0 < decay <= 1:
         raise ValueError(f"{op}: `decay` must be in (0, 1], got {decay!r}")
 
 
@@ -265,14 +225,10 @@ class Adaptive:
         _check_policy("Adaptive", most, decay)
         if calibration is not None and not isinstance(calibration, Calibration):
             raise ValueError(f"Adaptive: `calibration` must be a Calibration, got {calibration!r}")
-        self.most = most
-        self.calibration = calibration
-        self.decay = decay
-        # [kept, tested] draft tokens per label, from _PRIOR.
+        self.most, self.calibration, self.decay = most, calibration, decay
+        # [kept, tested] draft tokens per label, from _PRIOR; plain steps since a test.
         self._counts: dict[int, list[float]] = {}
-        self._meter = _Meter()
-        # Plain steps since a draft token was last tested.
-        self._untested = 0
+        self._meter, self._untested = _Meter(), 0
 
     def acceptance(self, label: int = 0) -> float:
         """The estimated chance that a draft token of a proposal labelled ``label`` is kept."""
@@ -281,23 +237,18 @@ class Adaptive:
 
     def choose(self, round: Round) -> int:
         top = min(self.most, round.cap)
-        if top == 0:
-            return 0
-        if self.calibration is None:
-            return self._meter.length(top)
-        a, pending = self.acceptance(round.label), round.pending
-        n = 0
-        if a > _plain_below(self.calibration, top, pending):
-            n = _fastest(_expected(a, top), self.calibration, pending)
-        return _or_test(n, self._untested, self.calibration, top, pending)
+        if top == 0 or self.calibration is None:
+            return self._meter.length(top) if top else 0
+        tokens = _expected(self.acceptance(round.label), top)
+        return _fastest(tokens, self.calibration, round.pending, self._untested)
 
     def observe(self, outcome: Outcome) -> None:
         self._untested = 0 if outcome.drafted else self._untested + outcome.plain
         if outcome.drafted:
             counts = self._counts.setdefault(outcome.label, list(_PRIOR))
             tested = outcome.accepted + (outcome.accepted < outcome.drafted)
-            counts[0] = counts[0] * self.decay**tested + outcome.accepted
-            counts[1] = counts[1] * self.decay**tested + tested
+            fade = self.decay**tested
+            counts[:] = counts[0] * fade + outcome.accepted, counts[1] * fade + tested
         elif outcome.plain:
             # A step testing nothing fades the estimates toward the prior, so that a policy that
             # stopped drafting looks again where the prior pays (benchmarks/generation.py: one

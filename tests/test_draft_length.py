@@ -284,6 +284,8 @@ def test_fixed_always_drafts_n_and_flushes_replays_that_grew() -> None:
         (lambda: Adaptive(2.0), r"Adaptive: `most`"),
         (lambda: Adaptive(4, calibration=(1, 2, 3)), r"Adaptive: `calibration`"),
         (lambda: Adaptive(4, decay=0.0), r"Adaptive: `decay`"),
+        (lambda: Adaptive(4, decay="0.9"), r"Adaptive: `decay`"),
+        (lambda: Adaptive(4, decay=float("nan")), r"Adaptive: `decay`"),
         (lambda: BatchAdaptive(0), r"BatchAdaptive: `most`"),
         (lambda: BatchAdaptive(4, decay=2.0), r"BatchAdaptive: `decay`"),
         (lambda: BatchAdaptive(4, {0: FLAT}), r"BatchAdaptive: `calibrations` .* key 0"),
