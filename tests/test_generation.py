@@ -26,7 +26,7 @@ from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.sample_utils import make_sampler as lm_make_sampler
 from tiny_models import cut, tiny_llama
 
-from mlx_spec import _mlx_lm, kernels, loop
+from mlx_spec import _mlx_lm, kernels, keys, loop
 from mlx_spec._checks import device_type
 from mlx_spec.acceptance import accept_sampled, read
 from mlx_spec.drafters import Draft, Drafter
@@ -246,9 +246,11 @@ def test_one_host_read_per_round(monkeypatch, target, drafts, temp) -> None:
         key=mx.random.key(3),
         stats=stats,
     )
-    # A once-per-process probe reads the device (how MLX draws a batch's rows), the first time
-    # this process draws a coupled token: not a round's read.
+    # Once-per-process probes read the device, the first time this process draws a coupled
+    # token (how MLX draws a batch's rows) or computes a key chain (whether MLX's split is the
+    # host's): not a round's reads.
     _mlx_lm.rows_by_inverse_cdf()
+    keys._split()
     reads = HostReads(monkeypatch)
     tokens = list(steps)
     monkeypatch.undo()
