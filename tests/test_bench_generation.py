@@ -192,6 +192,22 @@ def test_proposal_cost_table():
         assert abs(share - 100 * proposal * 1e-6 / (round_time * 1e-3)) <= 0.01
 
 
+@pytest.mark.slow
+def test_stream_table():
+    proc = script("stream", "--tokens", "4", "--prompts", "1", "--repeats", "1")
+    assert proc.returncode == 0, proc.stderr
+    table = markdown_table(proc.stdout, "workload")
+    assert [r["workload"] for r in table] == ["input-grounded", "open"]
+    methods = ["plain", "mlx-lm draft", "draft", "draft adaptive", "lookup adaptive"]
+    for row in table:
+        plain = float(row["plain"])
+        for method in methods:
+            rate, ratio = float(row[method]), float(row[f"x plain {method}"].rstrip("x"))
+            # Rates printed to 0.05 tokens/s, ratios to 0.005.
+            slack = 0.005 + ratio * (0.05 / rate + 0.05 / plain)
+            assert rate > 0 and abs(ratio - rate / plain) <= slack
+
+
 def test_plain_steps_table():
     proc = script(
         "plain_steps", "--pair", "host", "--temps", "0", "0.8", "--tokens", "16", "--repeats", "1",
