@@ -88,6 +88,7 @@ class Silent(Drafter):
     """A free drafter that never proposes anything: every token is a plain step."""
 
     free = True
+    reads_keys = False
 
     def propose(self, text: Text, n: int, keys: mx.array | None) -> Draft:
         return Draft(mx.array([], dtype=mx.uint32))

@@ -398,7 +398,8 @@ class SpeculativeBatch:
             budget = s.budget()
             s.draft, s.label = [], 0
             if s.drafter is not None and budget:
-                proposal = s.drafter.propose(s.text, budget, s.states(budget, draft=True))
+                keys = s.states(budget, draft=True) if s.drafter.reads_keys else None
+                proposal = s.drafter.propose(s.text, budget, keys)
                 s.draft, s.label = proposal.tokens.tolist(), proposal.label
             s.cap = len(s.draft) if s.drafter is not None else budget
             if self.head is not None and not s.hidden:

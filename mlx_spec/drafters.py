@@ -127,6 +127,9 @@ class Drafter(ABC):
     #: Whether the drafter reads the target's hidden states (:meth:`see`): the target's calls
     #: then return them too, at no extra call. The others pay nothing.
     reads_hidden: bool = False
+    #: Whether :meth:`propose` reads its ``keys`` (it draws its tokens). One that never does is
+    #: given ``None``, and the loop makes no keys for it.
+    reads_keys: bool = True
 
     def start(self, text: Text, setup: DraftSetup) -> None:  # noqa: B027 (optional hook)
         """Prepares for a generation. Optional: the default does nothing.
@@ -149,7 +152,8 @@ class Drafter(ABC):
             text (Text): the text so far.
             n (int): the most tokens to propose, ``>= 0``.
             keys (array, optional): ``[n, 2]`` uint32, the key of each proposed token's draw;
-                ``None`` when the rule takes no keys (greedy).
+                ``None`` when the rule takes no keys (greedy) or the drafter reads none
+                (:attr:`reads_keys`).
 
         Returns:
             Draft: at most ``n`` tokens (fewer, or none, when there is nothing to propose).
@@ -358,6 +362,11 @@ class PromptLookupDrafter(Drafter):
         self._index = _NgramIndex(min_ngram, max_ngram)
         self._history = 0
         self._rule: Rule | None = None
+
+    @property
+    def reads_keys(self) -> bool:
+        """bool: whether proposals are drawn (``distribution``); a copied one reads no keys."""
+        return self.distribution
 
     def start(self, text: Text, setup: DraftSetup) -> None:
         self._index = _NgramIndex(self.min_ngram, self.max_ngram, self.distribution)

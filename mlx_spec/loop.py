@@ -629,7 +629,7 @@ class Generation:
         checking its arguments, so a drafter of one's own that returns something else gets a
         ``ValueError`` naming it rather than a wrong round."""
         keys = None
-        if self.keys is not None and n:
+        if self.keys is not None and n and self.drafter.reads_keys:
             keys = self.rule.keys(self.keys, self.text.position, n, draft=True)
         draft = self.drafter.propose(self.text, n, keys)
         problem = _draft_problem(draft, n)

@@ -9,6 +9,7 @@ import itertools
 import subprocess
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import mlx.core as mx
 import numpy as np
@@ -488,6 +489,39 @@ def test_lookup_sampled_with_the_same_key_repeats(target) -> None:
         b, _, _ = run(PROMPT, target, None, drafter=drafter, key=mx.random.key(3), **options)
         c, _, _ = run(PROMPT, target, None, drafter=drafter, key=mx.random.key(4), **options)
         assert a == b != c
+
+
+class KeysSeen(PromptLookupDrafter):
+    """Prompt lookup that records whether each proposal was given keys (in the class: a batch
+    runs a copy for each row)."""
+
+    given: ClassVar[list[bool]] = []
+
+    def propose(self, text: Text, n: int, keys: mx.array | None) -> Draft:
+        KeysSeen.given.append(keys is not None)
+        return super().propose(text, n, keys)
+
+
+@pytest.mark.parametrize("distribution", [False, True])
+def test_lookup_is_given_keys_only_where_it_draws(target, distribution) -> None:
+    # A copied proposal reads no keys, so neither the loop nor a batch makes any for it; a
+    # drawn one gets them, sampled, in both.
+    from mlx_spec.batch import SpeculativeBatch
+
+    KeysSeen.given = []
+    sampler = make_sampler(temp=1.0)
+    drafter = KeysSeen(distribution=distribution)
+    run(PROMPT, target, None, drafter=drafter, key=mx.random.key(3), sampler=sampler, max_tokens=24)
+    single = KeysSeen.given
+    KeysSeen.given = []
+    rows = [PROMPT, PROMPT[:9]]
+    keys = [mx.random.key(i) for i in range(2)]
+    samplers = [sampler] * 2
+    batch = SpeculativeBatch(target, rows, [3, 3], [24, 24], [], samplers, keys, drafter=drafter)
+    while len(batch):
+        batch.next()
+    assert single and KeysSeen.given
+    assert set(single) == set(KeysSeen.given) == {distribution}
 
 
 # --- the API -------------------------------------------------------------------------------------
