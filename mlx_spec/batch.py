@@ -50,7 +50,7 @@ from .batch_length import BatchAdaptive
 from .batch_mtp import BatchHead, Capturing, check_head
 from .draft_length import MAX_DRAFT_TOKENS, Adaptive, Outcome, Round
 from .drafters import Drafter, DraftSetup, PromptLookupDrafter
-from .keys import KeyChain, set_global_state
+from .keys import BLOCK, KeyChain, set_global_state
 from .loop import Text, vocab_size
 from .mtp import MTPDrafter
 from .rules import Rule, make_rule
@@ -385,6 +385,8 @@ class SpeculativeBatch:
         # the last read.
         self._ahead: tuple[mx.array, mx.array, mx.array, mx.array | None] | None = None
         self._more = False
+        # Plain steps' keys (_step_keys): the rows' uids and positions, and the table made.
+        self._keys: tuple[list[int], list[int], mx.array] | None = None
         self._first = False
         self._clock = 0.0
 
@@ -599,13 +601,13 @@ class SpeculativeBatch:
         logits = logits[:, 0]
         hidden = self.cache.hidden
         rules = [s.rule for s in self.sequences]
-        states = [s.states(0, draft=False, ahead=ahead) for s in self.sequences]
         if len(set(rules)) == 1:
             # One rule's graph for the whole batch, as a single sequence's plain step draws.
-            keys = mx.concatenate(states) if rules[0].random else None
+            keys = self._step_keys(ahead) if rules[0].random else None
             on_cpu = device_type(None) == mx.cpu
             tokens, fed, logprobs = rules[0].step(logits, keys, on_cpu=on_cpu)
         else:
+            states = [s.states(0, draft=False, ahead=ahead) for s in self.sequences]
             chosen, invalid = choices(logits[:, None], rules, states)
             tokens = mx.where(invalid[:, 0], INVALID_ROW, chosen[:, 0]).astype(mx.uint32)
             fed = mx.minimum(tokens, logits.shape[-1] - 1)
@@ -614,6 +616,27 @@ class SpeculativeBatch:
         if saved is not None:
             set_global_state(saved)
         return tokens, fed, logprobs, hidden
+
+    def _step_keys(self, ahead: int) -> mx.array:
+        """``[B, 2]`` uint32: each row's key for a plain step ``ahead`` tokens past its text,
+        every row under one random rule. A column of a table of each row's keys for the next
+        :data:`mlx_spec.keys.BLOCK` positions, made once for the batch's rows as they stand: the
+        steps of a stretch advance every row by one, so each takes one slice, not one per row
+        and a concatenation."""
+        uids = [s.uid for s in self.sequences]
+        at = [s.text.position + ahead for s in self.sequences]
+        if self._keys is not None:
+            made_for, made_at, table = self._keys
+            t = at[0] - made_at[0]
+            if (
+                made_for == uids
+                and 0 <= t < BLOCK
+                and all(a - b == t for a, b in zip(at, made_at, strict=True))
+            ):
+                return table[:, t]
+        rows = zip(self.sequences, at, strict=True)
+        self._keys = uids, at, mx.stack([s.rule.position_keys(s.keys, a, BLOCK) for s, a in rows])
+        return self._keys[2][:, 0]
 
     def _step(self) -> list[Response]:
         """Reads the plain step started, having started the next one unless drafting resumes."""

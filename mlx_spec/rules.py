@@ -136,10 +136,16 @@ class Rule:
         if self.kind == "greedy":
             return None
         if self.kind == "coupled" or n == 0:
-            per_position = chain.states if self.seeds else chain.keys
-            return per_position(position, n if draft else n + 1)
+            return self.position_keys(chain, position, n if draft else n + 1)
         drafting, verifying = mx.random.split(chain.keys(position, 1)[0])
         return mx.random.split(drafting, n) if draft else verifying
+
+    def position_keys(self, chain: KeyChain, position: int, count: int) -> mx.array:
+        """``[count, 2]`` uint32: the keys of the draws at ``count`` text positions from
+        ``position``, each taking its own (a coupled draw's, or a plain step's under any rule but
+        greedy): its key, or its state where the sampler is called with ``mx.random``'s state
+        set (:attr:`seeds`)."""
+        return (chain.states if self.seeds else chain.keys)(position, count)
 
     def draw(self, logits: mx.array, key: mx.array | None) -> tuple[mx.array, mx.array | None]:
         """A drafter's token after ``logits``, the way this rule drafts.

@@ -251,6 +251,25 @@ def test_each_sampled_sequence_is_its_generation_alone_with_its_key(pair, tokeni
         assert got.token_ids[i] == single[: (eos or [len(single)])[0]], i
 
 
+def test_sampled_rows_under_one_rule_are_their_generations_alone(pair, tokenizer):
+    """One sampler for every row, so the batch's plain steps take the rows' keys from one table
+    of the next positions' keys (SpeculativeBatch._step_keys): rows apart after rounds that kept
+    different drafts, rows leaving, and stretches past the chain's blocks of 32 positions."""
+    model, _ = pair
+    sampler = mlx_spec.make_sampler(temp=1.0)
+    keys = [mx.random.key(20 + i) for i in range(len(PROMPTS))]
+    max_tokens = [70, 40, 55, 70]
+    got = speculative(
+        model, tokenizer, PROMPTS, max_tokens, sampler=sampler, keys=keys,
+        drafter="prompt-lookup", num_draft_tokens=3,
+    )  # fmt: skip
+    assert got.stats.generation_steps < sum(max_tokens)  # rounds and plain steps
+    for i, (prompt, key, most) in enumerate(zip(PROMPTS, keys, max_tokens, strict=True)):
+        single = alone(model, None, "prompt-lookup", prompt, sampler, key, most)
+        eos = [k for k, token in enumerate(single) if token in tokenizer.eos_token_ids]
+        assert got.token_ids[i] == single[: (eos or [len(single)])[0]], i
+
+
 def test_a_sequence_drafting_more_or_less_draws_the_same_text(tokenizer):
     """The same prompt and key twice in one batch, drafting 0 and 5 tokens a round (the draft
     model is the target itself, so the drafting row keeps many): one text."""
