@@ -656,7 +656,7 @@ class SpeculativeBatch:
                 # The guess of the plan before this step, tested without verifying it.
                 right = int(bool(s.draft) and s.draft[0] == token)
                 s.estimate.observe(Outcome(int(bool(s.draft)), right, s.label, plain=True))
-            responses.extend(self._emit(s, [token], logprobs[i : i + 1]))
+            responses.extend(self._emit(s, [token], logprobs, i))
             if s.drafter is not None:
                 s.drafter.update(s.text, 0)
             if hidden is not None:
@@ -689,7 +689,7 @@ class SpeculativeBatch:
             accepted, token, _ = (int(x) for x in read[i, :3])
             check_next("mlx_spec.batch_generate", token, (i,))
             emitted = [int(x) for x in read[i, 3 : 3 + accepted]] + [token]
-            own = self._emit(s, emitted, logprobs[i])
+            own = self._emit(s, emitted, logprobs, i)
             # The caches keep the positions of the tokens its text took (all of them, unless it
             # ended inside the round): its last token and the drafts before the next one.
             kept.append(len(own))
@@ -719,18 +719,22 @@ class SpeculativeBatch:
                 r.prompt_cache = self._final_cache(r.uid)
         self._filter([i for i, s in enumerate(self.sequences) if s.uid not in done])
 
-    def _emit(self, s: _Sequence, emitted: list[int], logprobs: mx.array) -> list[Response]:
+    def _emit(
+        self, s: _Sequence, emitted: list[int], logprobs: mx.array, row: int
+    ) -> list[Response]:
         """Appends ``emitted`` to ``s``'s text up to where it finishes, as responses, each with
-        its row of ``logprobs`` (``[len(emitted), V]`` or more rows)."""
+        its log-probabilities: of batch row ``row`` of ``logprobs``, ``[B, V]`` for one token
+        (a plain step) or ``[B, len(emitted) or more, V]`` (a round), taken with one index."""
         responses = []
         for j, token in enumerate(emitted):
+            own = logprobs[row] if logprobs.ndim == 2 else logprobs[row, j]
             s.text.extend([token])
             # mlx-lm's order: a stop sequence's last token ends a sequence as "stop" also when
             # it is the last token it may emit.
             reason = "length" if s.text.position >= s.max_tokens else None
             reason = "stop" if s.ends(token, self.eos) else reason
             everything = s.text.ids(0) if reason else None
-            responses.append(Response(s.uid, token, logprobs[j], reason, None, everything))
+            responses.append(Response(s.uid, token, own, reason, None, everything))
             if reason:
                 break
         return responses

@@ -15,7 +15,7 @@ import mlx_lm
 import numpy as np
 import pytest
 from helpers import ByteTokenizer, run
-from mlx_lm.generate import BatchGenerator
+from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import (
     ArraysCache,
     BatchKVCache,
@@ -268,6 +268,42 @@ def test_sampled_rows_under_one_rule_are_their_generations_alone(pair, tokenizer
         single = alone(model, None, "prompt-lookup", prompt, sampler, key, most)
         eos = [k for k, token in enumerate(single) if token in tokenizer.eos_token_ids]
         assert got.token_ids[i] == single[: (eos or [len(single)])[0]], i
+
+
+@pytest.mark.parametrize("lengths", ["plain steps", "fixed"])
+def test_each_response_carries_its_own_positions_logprobs(lengths):
+    """Every response's ``[V]`` log-probabilities, from plain steps (rows sliced from a
+    ``[B, V]`` step) or rounds (from a ``[B, N + 1, V]`` one), are those that plain decoding of
+    its row alone gives at that position."""
+    from mlx_spec.batch import SpeculativeBatch
+
+    model = tiny_llama(0)
+    max_tokens = [12, 7, 10, 12]
+    # Plain steps: drafting priced out. Rounds: the model drafts for itself, every draft kept.
+    drafting = (
+        {
+            "drafter": PromptLookupDrafter(),
+            "policy": BatchAdaptive(3, {b: DEAR for b in range(1, 5)}),
+        }
+        if lengths == "plain steps"
+        else {"draft_model": model}
+    )
+    batch = SpeculativeBatch(
+        model, PROMPTS, [3] * 4, max_tokens, [], [None] * 4, [None] * 4, **drafting
+    )
+    got: dict[int, list[np.ndarray]] = {uid: [] for uid in range(4)}
+    calls = 0
+    while len(batch):
+        calls += 1
+        for response in batch.next():
+            got[response.uid].append(np.array(response.logprobs))
+    assert calls == (max(max_tokens) if lengths == "plain steps" else 3)
+    for uid, prompt in enumerate(PROMPTS):
+        steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens[uid])
+        want = [np.array(logprobs) for _, logprobs in steps]
+        assert len(got[uid]) == len(want), uid
+        for mine, theirs in zip(got[uid], want, strict=True):
+            np.testing.assert_allclose(mine, theirs, atol=1e-4)
 
 
 def test_a_sequence_drafting_more_or_less_draws_the_same_text(tokenizer):
