@@ -208,6 +208,17 @@ def test_stream_table():
             assert rate > 0 and abs(ratio - rate / plain) <= slack
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--prompts", "5"], "--prompts must be in [1, 4], got 5"),
+     (["--num-draft-tokens", "0"], "--num-draft-tokens must be in [1, 64], got 0")],
+)  # fmt: skip
+def test_stream_refuses_bad_arguments_before_loading(args, message):
+    proc = script("stream", *args, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().endswith(message), proc.stderr
+    assert not proc.stdout
+
+
 def test_plain_steps_table():
     proc = script(
         "plain_steps", "--pair", "host", "--temps", "0", "0.8", "--tokens", "16", "--repeats", "1",
