@@ -367,6 +367,25 @@ def test_batched_runs_every_method_and_the_serial_one_generates_as_many_tokens(c
     assert [r["method"] for r in printed] == list(rows)
 
 
+def test_batched_summary_gives_the_median_and_the_first_pass_over_batch_generator() -> None:
+    batched = benchmark("batched")
+    # tokens/s in each pass: the first pass of the adaptive method is its slowest.
+    speeds = {"BatchGenerator": (100, 100, 100), "lookup adaptive": (60, 110, 120)}
+    rows = [
+        {"workload": "open", "batch": 4, "method": method, "pass": p, "tokens": tokens,
+         "seconds": 1.0, "latencies": [0.5, 1.0], "first_tokens": [0.1, 0.2]}
+        for method, per_pass in speeds.items()
+        for p, tokens in enumerate(per_pass)
+    ]  # fmt: skip
+    lines = {x["method"]: x for x in batched.summarize(rows)}
+    assert lines["lookup adaptive"]["x_baseline"] == pytest.approx(1.10)
+    assert lines["lookup adaptive"]["x_baseline_first"] == pytest.approx(0.60)
+    printed = {r["method"]: r for r in markdown_table(batched.table(lines.values()), "workload")}
+    assert printed["lookup adaptive"]["x BatchGenerator"] == "1.10x"
+    assert printed["lookup adaptive"]["first pass x BatchGenerator"] == "0.60x"
+    assert printed["BatchGenerator"]["first pass x BatchGenerator"] == "1.00x"
+
+
 def server_row(server: str, clients: int, tokens: int, seconds: float, p: int = 0) -> dict:
     return {
         "workload": "open", "clients": clients, "server": server, "pass": p, "tokens": tokens,
