@@ -451,7 +451,11 @@ class Generation:
         cap = self._cap(remaining)
         if cap == 0:
             return 0, None
-        pending = self.target.pending(self.text)
+        # Within a stretch the step ahead has fed the last token, but the round chosen there
+        # runs after that step is read, its token waiting: asked with none waiting, a policy
+        # whose costs put the acceptance between the two would draft in the stretch, then step
+        # after it, ending every stretch after two steps.
+        pending = max(self.target.pending(self.text), 1)
         proposal = None
         label = 0
         if self.drafter.free:

@@ -313,6 +313,51 @@ def test_a_calibrated_adaptive_generation_is_deterministic(target, drafts) -> No
     assert runs[0][2] and len(runs[0][2]) > 1
 
 
+class Asked:
+    """A policy that answers a plain step every time, keeping what it was asked."""
+
+    def __init__(self) -> None:
+        self.rounds: list[Round] = []
+
+    def choose(self, round: Round) -> int:
+        self.rounds.append(round)
+        return 0
+
+    def observe(self, outcome: Outcome) -> None:
+        pass
+
+
+class Stretches(Adaptive):
+    """:class:`Adaptive` counting the stretches of plain steps it is told of."""
+
+    stretches = 0
+
+    def observe(self, outcome: Outcome) -> None:
+        self.stretches += outcome.first
+        super().observe(outcome)
+
+
+def test_a_stretch_asks_about_the_round_that_would_follow_it(target, drafts) -> None:
+    # Between a stretch's steps the step ahead has fed the last token; a round chosen there
+    # runs once that step is read, with its token waiting, as every round after a plain step.
+    asked = Asked()
+    run(PROMPT, target, drafts["truncated"], policy=asked, max_tokens=40)
+    assert len(asked.rounds) >= 38  # asked between the steps, not only before the stretch
+    assert {r.pending for r in asked.rounds} == {1}
+
+
+def test_a_policy_between_the_costs_of_waiting_tokens_keeps_its_stretch(target, drafts) -> None:
+    # A round of one draft costs 1.7 plain steps with the last token waiting, 1.2 without: at
+    # the prior's acceptance (2 of 3) plain steps pay. Asked as if no token waited, the policy
+    # drafted between two steps and stepped again after them: a stretch every two tokens.
+    policy = Stretches(1, calibration=Calibration(plain=1.0, round=1.2, token=0.5))
+    _, _, stats = run(PROMPT, target, drafts["unrelated"], policy=policy, max_tokens=60)
+    # What remains are the test rounds that plain steps testing nothing bring (one after 23 of
+    # them here, EXPLORE), each followed by a stretch.
+    tested = stats.drafted_at[0] if stats.drafted_at else 0
+    assert tested <= 3 and policy.stretches <= tested + 1
+
+
 def test_an_adaptive_policy_kept_for_the_next_generation_keeps_its_calibration(
     target, drafts
 ) -> None:
