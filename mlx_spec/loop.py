@@ -441,21 +441,16 @@ class Generation:
         with mx.stream(self.stream):
             return next(steps, None)
 
-    def _cap(self, remaining: int) -> int:
-        """The most draft tokens the next round may take."""
-        pending = self.target.pending(self.text)
-        return max(min(remaining - 1, self.target.room() - pending, MAX_DRAFT_TOKENS), 0)
-
-    def _plan(self, remaining: int) -> tuple[int, Draft | None]:
-        """``N`` for the next round (0: plain steps), and a free drafter's proposal."""
-        cap = self._cap(remaining)
+    def _plan(self, remaining: int, *, ahead: bool = False) -> tuple[int, Draft | None]:
+        """``N`` for the next round (0: plain steps), and a free drafter's proposal, with
+        ``remaining`` tokens left to emit. ``ahead``: a plain step is in flight, so the round
+        would follow it, after one more token, which would be waiting (asked about the round
+        before it, one position cheaper, a policy whose costs put the acceptance between the
+        two would end every stretch after two steps, then choose a plain step again)."""
+        pending = self.target.pending(self.text) + ahead
+        cap = max(min(remaining - ahead - 1, self.target.room() - pending, MAX_DRAFT_TOKENS), 0)
         if cap == 0:
             return 0, None
-        # Within a stretch the step ahead has fed the last token, but the round chosen there
-        # runs after that step is read, its token waiting: asked with none waiting, a policy
-        # whose costs put the acceptance between the two would draft in the stretch, then step
-        # after it, ending every stretch after two steps.
-        pending = max(self.target.pending(self.text), 1)
         proposal = None
         label = 0
         if self.drafter.free:
@@ -609,7 +604,7 @@ class Generation:
                 return
             guess = None
             if ahead is not None and last == count:
-                n, guess = self._plan(count - made)
+                n, guess = self._plan(count - made, ahead=True)
                 if n > 0:
                     # Drafting pays again: the step already started ends the stretch.
                     last = made + 1

@@ -339,11 +339,15 @@ class Stretches(Adaptive):
 
 def test_a_stretch_asks_about_the_round_that_would_follow_it(target, drafts) -> None:
     # Between a stretch's steps the step ahead has fed the last token; a round chosen there
-    # runs once that step is read, with its token waiting, as every round after a plain step.
+    # runs once that step is read, one token later, with that token waiting, as every round
+    # after a plain step.
     asked = Asked()
     run(PROMPT, target, drafts["truncated"], policy=asked, max_tokens=40)
     assert len(asked.rounds) >= 38  # asked between the steps, not only before the stretch
     assert {r.pending for r in asked.rounds} == {1}
+    # Before the stretch 40 tokens are left (39 to draft); after its step m, the round would
+    # follow the step ahead, with 40 - m - 1 left.
+    assert [r.cap for r in asked.rounds] == [39] + [38 - m for m in range(1, 38)]
 
 
 def test_a_policy_between_the_costs_of_waiting_tokens_keeps_its_stretch(target, drafts) -> None:
