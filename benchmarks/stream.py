@@ -34,6 +34,7 @@ import mlx_lm
 
 import mlx_spec
 from mlx_spec import bench
+from mlx_spec.cli._common import integer
 from mlx_spec.draft_length import MAX_DRAFT_TOKENS
 
 
@@ -65,19 +66,11 @@ def _rate(run: Callable[..., Any], tokenizer: Any, prompt: mx.array, tokens: int
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--num-draft-tokens", type=int, default=3)
+    parser.add_argument("--tokens", type=integer(1), default=256)
+    parser.add_argument("--prompts", type=integer(1, 4), default=4)
+    parser.add_argument("--repeats", type=integer(1), default=3)
+    parser.add_argument("--num-draft-tokens", type=integer(1, MAX_DRAFT_TOKENS), default=3)
     args = parser.parse_args(argv)
-    for name, least, most in (("tokens", 1, None), ("prompts", 1, 4), ("repeats", 1, None)):
-        value = getattr(args, name)
-        if value < least or (most is not None and value > most):
-            parser.error(f"--{name} must be in [{least}, {most or 'inf'}], got {value}")
-    if not 1 <= args.num_draft_tokens <= MAX_DRAFT_TOKENS:
-        parser.error(
-            f"--num-draft-tokens must be in [1, {MAX_DRAFT_TOKENS}], got {args.num_draft_tokens}"
-        )
     target, draft, tokenizer = bench.load_demo_pair()
     methods = _methods(target, draft, args.num_draft_tokens)
     print(

@@ -210,8 +210,9 @@ def test_stream_table():
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(["--prompts", "5"], "--prompts must be in [1, 4], got 5"),
-     (["--num-draft-tokens", "0"], "--num-draft-tokens must be in [1, 64], got 0")],
+    [(["--prompts", "5"], "argument --prompts: must be in [1, 4], got '5'"),
+     (["--num-draft-tokens", "0"], "argument --num-draft-tokens: must be in [1, 64], got '0'"),
+     (["--tokens", "0"], "argument --tokens: must be >= 1, got '0'")],
 )  # fmt: skip
 def test_stream_refuses_bad_arguments_before_loading(args, message):
     proc = script("stream", *args, timeout=60)
