@@ -87,7 +87,7 @@ class BatchAdaptive:
         expected = [(_expected(estimate.acceptance(r.label), top), r.cap) for estimate, r in rows]
         # Each row's E(min(N, cap)) for N = 0 .. top, summed over the rows.
         tokens = [sum(e[min(n, cap)] for e, cap in expected) for n in range(top + 1)]
-        return _fastest(tokens, calibration, untested=self._untested)
+        return _fastest(tokens, calibration, 1, self._untested, self.most)
 
     def observe(self, rows: int, outcome: Outcome) -> None:
         """Learns the timed ``outcome`` of a round (``drafted``: its ``N``) or plain step

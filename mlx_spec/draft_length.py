@@ -2,17 +2,9 @@
 
 Before each round the loop asks :meth:`DraftPolicy.choose` for ``N`` (``0``: a plain step of the
 target) given a :class:`Round`, and after it tells :meth:`DraftPolicy.observe` the
-:class:`Outcome`. :class:`Fixed` always drafts ``n``. :class:`Adaptive` takes the ``N`` that
-maximises ``E(N) / cost(N)``: a round drafting ``N`` yields ``E(N) = 1 + a + ... + a^N`` tokens on
-average (``a``: the chance a draft token is kept once the one before it was, per kind of
-proposal) and costs ``round + token * N`` seconds, a plain step ``plain`` (a :class:`Calibration`).
-Where that rule takes plain steps that test no draft, a round of the most tokens runs once they
-have cost :data:`EXPLORE` times what it costs over a plain step, so that a drafter whose acceptance
-has changed gets drafting back, losing at most about ``1 / EXPLORE`` of plain decoding's time.
-
-Sampling is keyed by text position (:mod:`mlx_spec.keys`), so no ``N`` changes the text, only how
-fast it comes. Given a :class:`Calibration`, :class:`Adaptive` is deterministic; without one it
-measures its own in its first rounds and plain steps, and keeps it.
+:class:`Outcome`. :class:`Fixed` always drafts ``n``; :class:`Adaptive` takes the ``N`` that
+maximises ``E(N) / cost(N)``. Sampling is keyed by text position (:mod:`mlx_spec.keys`), so no
+``N`` changes the text, only how fast it comes.
 """
 
 from __future__ import annotations
@@ -41,8 +33,8 @@ __all__ = [
 #: tokens at an acceptance rate ``a`` (20 at 95%), and each draft token costs a scored position.
 MAX_DRAFT_TOKENS = 64
 
-#: How many times what a test round costs over a plain step the plain steps since a draft was last
-#: tested must cost before :class:`Adaptive` tests one (see the module's description).
+#: How many times what a test round costs over a plain step the plain steps that tested no draft
+#: must cost before :class:`Adaptive` runs one.
 EXPLORE = 32
 
 # Rounds measured at each of two lengths, and steady plain steps, before a calibration is fixed.
@@ -151,17 +143,21 @@ def _expected(a: float, top: int) -> list[float]:
     return tokens
 
 
-def _fastest(tokens: list[float], costs: Calibration, pending: int = 1, untested: int = 0) -> int:
+def _fastest(
+    tokens: list[float], costs: Calibration, pending: int, untested: int, most: int
+) -> int:
     """The ``N`` whose ``tokens[N]`` come fastest (``N = 0``: a plain step), or a test round of
-    the most, ``len(tokens) - 1``, where the ``untested`` plain steps are due one. Plain Python:
-    the loop asks before every plain step, where NumPy's calls would cost more than the sums."""
+    ``most = len(tokens) - 1`` where the ``untested`` plain steps are due one (a round the tokens
+    left cut short is none: it tests less, and too few tokens are left to win back its cost).
+    Plain Python: the loop asks before every plain step, where NumPy would cost more."""
     fastest, rate = 0, tokens[0] / max(costs.plain, 1e-12)
     for n in range(1, len(tokens)):
         if (this := tokens[n] / max(costs.cost(n, pending), 1e-12)) > rate:
             fastest, rate = n, this
-    top = len(tokens) - 1
-    patience = EXPLORE * (costs.cost(top, pending) - costs.plain) / max(costs.plain, 1e-12)
-    return top if fastest == 0 and untested >= max(1, math.ceil(patience)) else fastest
+    if fastest or len(tokens) - 1 < most:
+        return fastest
+    patience = EXPLORE * (costs.cost(most, pending) - costs.plain) / max(costs.plain, 1e-12)
+    return most if untested >= max(1, math.ceil(patience)) else 0
 
 
 class _Meter:
@@ -208,7 +204,15 @@ def _check_policy(op: str, most: object, decay: object) -> None:
 
 
 class Adaptive:
-    """The ``N`` that maximises tokens per second (see the module's description).
+    """The ``N`` that maximises tokens per second.
+
+    A round drafting ``N`` yields ``E(N) = 1 + a + ... + a^N`` tokens on average (``a``: the
+    chance a draft token is kept once the one before it was, per kind of proposal) and costs
+    ``round + token * N`` seconds, a plain step ``plain`` (a :class:`Calibration`). Where plain
+    steps test no draft, a round of the most tokens tests one once they have cost
+    :data:`EXPLORE` times what it costs over a plain step: a drafter whose acceptance has changed
+    gets drafting back, at a cost of about ``1 / EXPLORE`` of plain decoding's time where it has
+    not. Given a calibration, the choices are deterministic.
 
     Args:
         most (int): the most draft tokens a round, in ``[1, MAX_DRAFT_TOKENS]``. Default: ``8``.
@@ -233,14 +237,14 @@ class Adaptive:
     def acceptance(self, label: int = 0) -> float:
         """The estimated chance that a draft token of a proposal labelled ``label`` is kept."""
         kept, tested = self._counts.get(label, _PRIOR)
-        return kept / tested
+        return kept / max(tested, 1e-30)
 
     def choose(self, round: Round) -> int:
         top = min(self.most, round.cap)
         if top == 0 or self.calibration is None:
             return self._meter.length(top) if top else 0
         tokens = _expected(self.acceptance(round.label), top)
-        return _fastest(tokens, self.calibration, round.pending, self._untested)
+        return _fastest(tokens, self.calibration, round.pending, self._untested, self.most)
 
     def observe(self, outcome: Outcome) -> None:
         self._untested = 0 if outcome.drafted else self._untested + outcome.plain
@@ -250,10 +254,9 @@ class Adaptive:
             fade = self.decay**tested
             counts[:] = counts[0] * fade + outcome.accepted, counts[1] * fade + tested
         elif outcome.plain:
-            # A step testing nothing fades the estimates toward the prior, so that a policy that
-            # stopped drafting looks again where the prior pays (benchmarks/generation.py: one
-            # policy kept from temperature 0.8 to 0 never drafted again, on the H200).
+            # A step testing nothing fades what the estimates weigh, not what they say: no plain
+            # step starts a round, and the test round that comes after many decides alone.
             for counts in self._counts.values():
-                counts[:] = [p + (c - p) * self.decay for c, p in zip(counts, _PRIOR, strict=True)]
+                counts[:] = counts[0] * self.decay, counts[1] * self.decay
         if self.calibration is None and outcome.seconds is not None:
             self.calibration = self._meter.record(outcome)
