@@ -471,5 +471,7 @@ def test_a_batch_whose_rows_test_nothing_runs_a_test_round_after_its_cost_in_pla
         assert policy.choose(rows) == 0
     policy.observe(2, Outcome(0, 0, plain=True))
     assert policy.choose(rows) == 8
+    # Only where some row may draft the most: the tokens left would not win back the test.
+    assert policy.choose(batch_rows(policy, [0.05, 0.05], [7, 5])) == 0
     policy.observe(2, Outcome(8, 0))
     assert policy.choose(rows) == 0
