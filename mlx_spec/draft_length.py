@@ -208,11 +208,13 @@ class Adaptive:
 
     A round drafting ``N`` yields ``E(N) = 1 + a + ... + a^N`` tokens on average (``a``: the
     chance a draft token is kept once the one before it was, per kind of proposal) and costs
-    ``round + token * N`` seconds, a plain step ``plain`` (a :class:`Calibration`). Where plain
-    steps test no draft, a round of the most tokens tests one once they have cost
-    :data:`EXPLORE` times what it costs over a plain step: a drafter whose acceptance has changed
-    gets drafting back, at a cost of about ``1 / EXPLORE`` of plain decoding's time where it has
-    not. Given a calibration, the choices are deterministic.
+    ``round + token * N`` seconds, a plain step ``plain`` (a :class:`Calibration`). Plain steps
+    that test no draft fade the estimates toward the prior, and once they have cost
+    :data:`EXPLORE` times what a round of the most tokens costs over a plain step, such a round
+    tests one, where the round may take the most: a drafter whose acceptance has changed gets
+    drafting back (``benchmarks/generation.py`` on the H100: the MTP head, which took plain steps
+    throughout where ``N = 4`` ran at 1.27x plain decoding), at about ``1 / EXPLORE`` of plain
+    decoding's time where it has not. Given a calibration, the choices are deterministic.
 
     Args:
         most (int): the most draft tokens a round, in ``[1, MAX_DRAFT_TOKENS]``. Default: ``8``.
@@ -237,7 +239,7 @@ class Adaptive:
     def acceptance(self, label: int = 0) -> float:
         """The estimated chance that a draft token of a proposal labelled ``label`` is kept."""
         kept, tested = self._counts.get(label, _PRIOR)
-        return kept / max(tested, 1e-30)
+        return kept / tested
 
     def choose(self, round: Round) -> int:
         top = min(self.most, round.cap)
@@ -254,9 +256,10 @@ class Adaptive:
             fade = self.decay**tested
             counts[:] = counts[0] * fade + outcome.accepted, counts[1] * fade + tested
         elif outcome.plain:
-            # A step testing nothing fades what the estimates weigh, not what they say: no plain
-            # step starts a round, and the test round that comes after many decides alone.
+            # A step testing nothing fades the estimates toward the prior, so that a policy that
+            # stopped drafting looks again where the prior pays (benchmarks/generation.py: one
+            # policy kept from temperature 0.8 to 0 never drafted again, on the H200).
             for counts in self._counts.values():
-                counts[:] = counts[0] * self.decay, counts[1] * self.decay
+                counts[:] = [p + (c - p) * self.decay for c, p in zip(counts, _PRIOR, strict=True)]
         if self.calibration is None and outcome.seconds is not None:
             self.calibration = self._meter.record(outcome)

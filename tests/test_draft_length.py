@@ -75,19 +75,17 @@ def test_adaptive_runs_plain_steps_when_drafts_are_not_kept() -> None:
     assert policy.choose(Round(8)) == 0
 
 
-def test_plain_steps_that_test_nothing_fade_what_an_estimate_weighs_not_what_it_says() -> None:
-    # A draft model's acceptance is seen in rounds alone. Plain steps leave its estimate's value
-    # (no step starts a round at a stale estimate), and the test round after many decides alone.
-    for kept in (0, 8):
-        policy = Adaptive(8, FLAT)
-        kept_with(policy, 0.05)
-        before = policy.acceptance()
-        for _ in range(300):
-            policy.observe(Outcome(0, 0, plain=True, seconds=1.0))
-            assert policy.acceptance() == pytest.approx(before, rel=1e-9)
-        policy.observe(Outcome(8, kept))
-        assert policy.acceptance() == pytest.approx(kept / 8, abs=1e-3)
-        assert (policy.choose(Round(8)) > 0) == bool(kept)
+def test_plain_steps_that_test_nothing_bring_drafting_back_where_the_prior_pays() -> None:
+    # A draft model's acceptance is seen in rounds alone: after a poor stretch, plain steps fade
+    # the estimate back to the prior, and the policy drafts again to look.
+    policy = Adaptive(8, FLAT)
+    kept_with(policy, 0.05)
+    steps = 0
+    while policy.choose(Round(8)) == 0:
+        policy.observe(Outcome(0, 0, plain=True, seconds=1.0))
+        steps += 1
+        assert steps < 200, policy.acceptance()
+    assert steps > 10  # not at once: the poor stretch still counts for a while
 
 
 # A round dear against a plain step (a small target on a GPU): drafting at the prior (2 kept of 3)
