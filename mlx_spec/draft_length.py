@@ -214,7 +214,9 @@ class Adaptive:
     tests one, where the round may take the most: a drafter whose acceptance has changed gets
     drafting back (``benchmarks/generation.py`` on the H100: the MTP head, which took plain steps
     throughout where ``N = 4`` ran at 1.27x plain decoding), at about ``1 / EXPLORE`` of plain
-    decoding's time where it has not. Given a calibration, the choices are deterministic.
+    decoding's time where it has not (more by a model drafter's catch-up on the plain steps'
+    positions, which the calibration does not count). Given a calibration, the choices are
+    deterministic.
 
     Args:
         most (int): the most draft tokens a round, in ``[1, MAX_DRAFT_TOKENS]``. Default: ``8``.
