@@ -105,9 +105,9 @@ def test_where_the_prior_does_not_pay_a_test_round_comes_after_its_cost_in_plain
             steps += 1
             assert steps <= patience, steps
         assert (steps, n) == (patience, 8)
-        # Only where the round may take the most: with fewer tokens left, drafting could not
-        # win back what the test costs.
-        assert policy.choose(Round(7)) == 0
+        # Only where the round may take the most (so never more than the round may take): with
+        # fewer tokens left, drafting could not win back what the test costs.
+        assert [policy.choose(Round(cap)) for cap in (3, 7)] == [0, 0]
         # The test keeps nothing: plain steps again, until the next test.
         policy.observe(Outcome(8, 0))
         assert policy.choose(Round(8)) == 0
@@ -141,11 +141,11 @@ def test_guesses_tested_during_plain_steps_leave_no_test_round_due() -> None:
     tested=st.integers(0, 400),
     kept=st.floats(0.0, 1.0),
 )
-def test_the_kept_plain_step_threshold_chooses_as_the_rule_does(
+def test_adaptive_chooses_as_the_rule_does_at_every_estimate(
     plain, round_, token, top, pending, tested, kept
 ) -> None:
-    # Adaptive answers "a plain step" from an acceptance it keeps for each calibration, top and
-    # waiting tokens, without the sums: it must choose as E(N) / cost(N) does at every estimate.
+    # Adaptive's plain-Python sums must choose as E(N) / cost(N), written out again with NumPy,
+    # does at every estimate, calibration, cap and count of waiting tokens.
     costs = Calibration(plain=plain, round=round_, token=token)
     policy = Adaptive(MAX_DRAFT_TOKENS, costs, decay=1.0)
     if tested:
