@@ -212,8 +212,8 @@ class Adaptive:
     that test no draft fade the estimates toward the prior, and once they have cost
     :data:`EXPLORE` times what a round of the most tokens costs over a plain step, such a round
     tests one, where the round may take the most: a drafter whose acceptance has changed gets
-    drafting back (``benchmarks/generation.py`` on the H100: the MTP head, which took plain steps
-    throughout where ``N = 4`` ran at 1.27x plain decoding), at about ``1 / EXPLORE`` of plain
+    drafting back (``benchmarks/generation.py`` on the H100: the MTP head took plain steps
+    throughout where ``N = 4`` kept 4.06 tokens a round), at about ``1 / EXPLORE`` of plain
     decoding's time where it has not (more by a model drafter's catch-up on the plain steps'
     positions, which the calibration does not count). Given a calibration, the choices are
     deterministic.
